@@ -1,0 +1,75 @@
+"""The pre-split world, as legacy backends knew it.
+
+Legacy builders receive :class:`LegacyCommonAttentionMetadata`, which still has
+``slot_mapping``; legacy fused backends may call :func:`reshape_and_cache_flash`.
+Both exist only so old code runs unchanged through :func:`shim.adapt_legacy_backend`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from typing_extensions import deprecated
+
+from shim.warnings import LegacyBackendWarning
+from vllm.attention.types import KVQuant, parse_kv_cache_dtype
+from vllm.attention.writers.split import write_kv_views
+
+
+@dataclass(frozen=True, kw_only=True)
+class LegacyCommonAttentionMetadata:
+    """What a legacy metadata builder is given: the batch plus ``slot_mapping``.
+
+    The adapter fills ``slot_mapping`` with ``-1`` at build time and puts the
+    layer's real slot mapping (from the ForwardContext) into the legacy metadata
+    right before the legacy ``forward``.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    causal: bool
+    slot_mapping: torch.Tensor
+
+
+class LegacyBuilder(Protocol):
+    def build(self, common_prefix_len: int,
+              common_attn_metadata: LegacyCommonAttentionMetadata) -> Any: ...
+
+
+class LegacyImpl(Protocol):
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor | None,
+                value: torch.Tensor | None, kv_cache: torch.Tensor, attn_metadata: Any,
+                output: torch.Tensor) -> torch.Tensor: ...
+
+
+@deprecated(
+    "reshape_and_cache_flash() is the pre-split cache write; return a KVCacheWriter from "
+    "AttentionBackend.get_kv_cache_writer() instead (see migration_guide.md)",
+    category=LegacyBackendWarning,
+)
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """The legacy write op: ``key_cache``/``value_cache`` ``[nb, bs, H, D]`` views.
+
+    Routed through the split K/V writer, so it has the new write semantics.
+    """
+    quant = KVQuant(parse_kv_cache_dtype(kv_cache_dtype), k_scale, v_scale)
+    write_kv_views(key, value, key_cache, value_cache, slot_mapping, quant)

@@ -1,0 +1,450 @@
+"""Backends as class-level data, impls that only compute, and their metadata.
+
+A backend is never instantiated: it is a bundle of typed declarations plus
+classmethods. ``unsupported_reasons`` derives every "why not" from those
+declarations, and selection, the CLI table and the test grid all read them.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Generic, Literal, Protocol, TypeVar
+
+import torch
+
+from vllm.attention.errors import InvalidArgumentError, UnsupportedBackendError
+from vllm.attention.layouts import kv_cache_shape, kv_cache_stride_order
+from vllm.attention.types import (
+    AttentionType,
+    KVCacheDType,
+    KVCacheLayout,
+    KVQuant,
+    cache_storage_dtype,
+    parse_kv_cache_dtype,
+)
+
+if TYPE_CHECKING:
+    from vllm.attention.writer import KVCacheWriter, MLAKVCacheWriter
+
+
+class AttentionMetadata:
+    """Base of every backend's metadata. Subclasses are dataclasses of what compute
+    needs; none of them carries ``slot_mapping`` (that lives in the ForwardContext)."""
+
+
+M = TypeVar("M", bound=AttentionMetadata)
+M_co = TypeVar("M_co", bound=AttentionMetadata, covariant=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommonAttentionMetadata:
+    """What the runner knows about a batch, in backend-neutral form.
+
+    Requests are laid out query-major: request ``i``'s new tokens are rows
+    ``query_start_loc[i]:query_start_loc[i+1]`` of the step's tokens, and are its
+    last ``query_len`` positions of ``seq_lens[i]`` (context + new tokens).
+    """
+
+    query_start_loc: torch.Tensor
+    """``[num_reqs + 1]`` int32, on the compute device."""
+    seq_lens: torch.Tensor
+    """``[num_reqs]`` int32, on the compute device."""
+    block_table: torch.Tensor
+    """``[num_reqs, max_blocks_per_req]`` int32, on the compute device."""
+    query_start_loc_cpu: torch.Tensor
+    """``query_start_loc`` on the host (no device sync to read it)."""
+    seq_lens_cpu: torch.Tensor
+    """``seq_lens`` on the host."""
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    causal: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class PagedAttentionMetadata(AttentionMetadata):
+    """Metadata of the backends whose compute needs only the paged batch description."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    causal: bool
+
+    @classmethod
+    def from_common(cls, common: CommonAttentionMetadata) -> PagedAttentionMetadata:
+        return cls(
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            query_start_loc_cpu=common.query_start_loc_cpu,
+            seq_lens_cpu=common.seq_lens_cpu,
+            num_reqs=common.num_reqs,
+            num_actual_tokens=common.num_actual_tokens,
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+            block_size=common.block_size,
+            causal=common.causal,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionLayerSpec:
+    """The constructor arguments of an impl: one layer's attention shape and options."""
+
+    num_heads: int
+    head_size: int
+    num_kv_heads: int
+    scale: float
+    head_size_v: int | None = None
+    """Value head size when it differs from ``head_size`` (DiffKV); None means equal."""
+    sliding_window: int | None = None
+    """A query at position p sees keys at positions > p - sliding_window."""
+    logits_soft_cap: float | None = None
+    attn_type: AttentionType = AttentionType.DECODER
+    kv_cache_dtype: KVCacheDType = "auto"
+    kv_sharing_target_layer_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_size", "num_kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(name, value, "a positive int")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidArgumentError(
+                "num_heads", self.num_heads,
+                f"a multiple of num_kv_heads={self.num_kv_heads}",
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise InvalidArgumentError("sliding_window", self.sliding_window, "None or > 0")
+        if self.logits_soft_cap is not None and self.logits_soft_cap <= 0:
+            raise InvalidArgumentError("logits_soft_cap", self.logits_soft_cap, "None or > 0")
+        parse_kv_cache_dtype(self.kv_cache_dtype)
+
+    @property
+    def v_head_size(self) -> int:
+        return self.head_size if self.head_size_v is None else self.head_size_v
+
+
+class AttentionLayerProtocol(Protocol):
+    """What an impl may read from the layer that calls it."""
+
+    @property
+    def layer_name(self) -> str: ...
+
+    @property
+    def kv_quant(self) -> KVQuant: ...
+
+
+class AttentionMetadataBuilder(abc.ABC, Generic[M_co]):
+    """Turns the runner's :class:`CommonAttentionMetadata` into a backend's metadata."""
+
+    def __init__(self, spec: AttentionLayerSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+
+    @abc.abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> M_co:
+        """Metadata for one step; called once per KV-cache group, not per layer."""
+
+
+class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
+    def build(self, common: CommonAttentionMetadata) -> PagedAttentionMetadata:
+        return PagedAttentionMetadata.from_common(common)
+
+
+class AttentionImpl(abc.ABC, Generic[M]):
+    """Computes attention over the cache. Never writes ``kv_cache``."""
+
+    def __init__(self, spec: AttentionLayerSpec) -> None:
+        self.spec = spec
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayerProtocol,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: M,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of this step's queries.
+
+        Args:
+            query: ``[num_tokens, num_heads, head_size]``.
+            key, value: this step's ``[num_tokens, num_kv_heads, head_size(_v)]``
+                (already in ``kv_cache`` unless the layer has no cache); may be None
+                for cross-attention after its first step.
+            kv_cache: the backend's logical cache tensor (read only).
+            output: ``[num_tokens, num_heads, head_size_v]``, filled and returned.
+        """
+
+
+@dataclass(frozen=True)
+class SizeSpec:
+    """Allowed integer sizes: an explicit set, or multiples in a range."""
+
+    values: frozenset[int] | None = None
+    multiple_of: int = 1
+    min: int = 1
+    max: int | None = None
+
+    def admits(self, n: int) -> bool:
+        if self.values is not None:
+            return n in self.values
+        return n >= self.min and n % self.multiple_of == 0 and (
+            self.max is None or n <= self.max
+        )
+
+    def describe(self) -> str:
+        if self.values is not None:
+            return ", ".join(str(v) for v in sorted(self.values))
+        parts = ["any" if self.multiple_of == 1 else f"a multiple of {self.multiple_of}"]
+        if self.max is not None:
+            parts.append(f"up to {self.max}")
+        if self.min > max(1, self.multiple_of):
+            parts.append(f"from {self.min}")
+        return " ".join(parts)
+
+    def examples(self, candidates: tuple[int, ...] = (1, 16, 32, 64, 128)) -> tuple[int, ...]:
+        """Admitted sizes for test grids: the explicit set, else the admitted candidates."""
+        if self.values is not None:
+            return tuple(sorted(self.values))
+        return tuple(c for c in candidates if self.admits(c))
+
+
+def exactly(*sizes: int) -> SizeSpec:
+    return SizeSpec(values=frozenset(sizes))
+
+
+def multiple_of(n: int, *, max: int | None = None) -> SizeSpec:
+    return SizeSpec(multiple_of=n, min=n, max=max)
+
+
+_FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+ComputePath = str
+"""A short name of the compute path that runs (``"torch"``, ``"triton"``, ``"flash_attn.cute"``)."""
+
+
+class AttentionBackend(abc.ABC, Generic[M]):
+    """Class-level declarations and classmethods; never instantiated.
+
+    Subclass as ``class MyBackend(AttentionBackend[MyMetadata])``: the impl,
+    builder and metadata classmethods are then typed against ``MyMetadata``, so
+    mypy reports a backend whose pieces disagree.
+    """
+
+    name: ClassVar[str]
+    kv_cache_layout: ClassVar[KVCacheLayout]
+    supported_dtypes: ClassVar[frozenset[torch.dtype]] = _FLOAT_DTYPES
+    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto"})
+    block_sizes: ClassVar[SizeSpec] = multiple_of(16)
+    head_sizes: ClassVar[SizeSpec] = multiple_of(8, max=256)
+    attention_types: ClassVar[frozenset[AttentionType]] = frozenset({AttentionType.DECODER})
+    supports_sliding_window: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
+    is_mla: ClassVar[bool] = False
+    is_sparse: ClassVar[bool] = False
+    migration: ClassVar[Literal["migrated", "adapted"]] = "migrated"
+    vendor_package: ClassVar[str | None] = None
+    """Import name of the vendor kernel package, if the backend has one."""
+
+    def __new__(cls) -> AttentionBackend[M]:
+        raise TypeError(f"{cls.__name__} is a backend declaration; it is never instantiated")
+
+    # -- the pieces ---------------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def get_impl_cls(cls) -> type[AttentionImpl[M]]: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder[M]]: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def get_metadata_cls(cls) -> type[M]: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def get_kv_cache_writer(
+        cls, cache_dtype: KVCacheDType = "auto"
+    ) -> KVCacheWriter | MLAKVCacheWriter: ...
+
+    # -- the cache ----------------------------------------------------------------
+    @classmethod
+    def get_kv_cache_shape(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype: KVCacheDType = "auto",
+    ) -> tuple[int, ...]:
+        """The logical cache shape (``docs/layouts.md``)."""
+        return kv_cache_shape(
+            cls.kv_cache_layout, num_blocks, block_size, num_kv_heads, head_size
+        )
+
+    @classmethod
+    def get_kv_cache_stride_order(cls) -> tuple[int, ...]:
+        """Permutation of logical axes from the outermost physical axis inwards."""
+        return kv_cache_stride_order(cls.kv_cache_layout)
+
+    # -- compute path -------------------------------------------------------------
+    @classmethod
+    def compute_path(cls, device: torch.device) -> ComputePath:
+        """The compute path that runs on ``device`` (vendor kernel or portable)."""
+        return "torch"
+
+    @classmethod
+    def compute_path_notes(cls, device: torch.device) -> list[str]:
+        """Why a faster path does not run on ``device`` (empty when the best one does)."""
+        return []
+
+    # -- capabilities -------------------------------------------------------------
+    @classmethod
+    def unsupported_reasons(
+        cls,
+        *,
+        dtype: torch.dtype,
+        head_size: int,
+        block_size: int,
+        kv_cache_dtype: str = "auto",
+        attn_type: AttentionType = AttentionType.DECODER,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        use_mla: bool = False,
+        use_sparse: bool = False,
+        device: torch.device | None = None,
+    ) -> list[str]:
+        """Every reason this backend cannot run the configuration; empty if it can."""
+        n = cls.name
+        reasons: list[str] = []
+        if dtype not in cls.supported_dtypes:
+            allowed = ", ".join(sorted(dtype_name(d) for d in cls.supported_dtypes))
+            reasons.append(f"dtype={dtype_name(dtype)}, {n} needs one of {allowed}")
+        if not cls.head_sizes.admits(head_size):
+            reasons.append(f"head_size={head_size}, {n} needs {cls.head_sizes.describe()}")
+        if not cls.block_sizes.admits(block_size):
+            reasons.append(f"block_size={block_size}, {n} needs {cls.block_sizes.describe()}")
+        if kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            allowed = ", ".join(sorted(cls.supported_kv_cache_dtypes))
+            reasons.append(f"kv_cache_dtype={kv_cache_dtype!r}, {n} needs one of {allowed}")
+        if attn_type not in cls.attention_types:
+            allowed = ", ".join(sorted(t.value for t in cls.attention_types))
+            reasons.append(f"attn_type={attn_type.value}, {n} supports {allowed}")
+        if sliding_window is not None and not cls.supports_sliding_window:
+            reasons.append(f"sliding_window={sliding_window}, {n} supports only None")
+        if logits_soft_cap is not None and not cls.supports_logits_soft_cap:
+            reasons.append(f"logits_soft_cap={logits_soft_cap}, {n} supports only None")
+        if use_mla != cls.is_mla:
+            reasons.append(f"use_mla={use_mla}, {n} is {'an' if cls.is_mla else 'not an'} MLA backend")
+        if use_sparse and not cls.is_sparse:
+            reasons.append(f"use_sparse=True, {n} is not a sparse backend")
+        if device is not None:
+            reasons.extend(cls.device_unsupported_reasons(device))
+        return reasons
+
+    @classmethod
+    def device_unsupported_reasons(cls, device: torch.device) -> list[str]:
+        """Reasons no path of this backend runs on ``device`` (empty: one does)."""
+        return []
+
+    @classmethod
+    def supports(cls, **config: object) -> bool:
+        return not cls.unsupported_reasons(**config)  # type: ignore[arg-type]
+
+    @classmethod
+    def missing_declarations(cls) -> list[str]:
+        """Names of required declarations or classmethods this class lacks."""
+        missing = [a for a in ("name", "kv_cache_layout") if not hasattr(cls, a)]
+        if inspect.isabstract(cls):
+            missing.extend(sorted(getattr(cls, "__abstractmethods__", ())))
+        return missing
+
+
+def check_supported(
+    backend: type[AttentionBackend[M]],
+    *,
+    dtype: torch.dtype,
+    head_size: int,
+    block_size: int,
+    kv_cache_dtype: str = "auto",
+    device: torch.device | None = None,
+) -> None:
+    """Raise :class:`UnsupportedBackendError` naming ``backend`` and every reason."""
+    reasons = backend.unsupported_reasons(
+        dtype=dtype, head_size=head_size, block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype, use_mla=backend.is_mla, device=device,
+    )
+    if reasons:
+        raise UnsupportedBackendError(f"{backend.name} cannot run this: " + "; ".join(reasons))
+
+
+def allocate_kv_cache(
+    backend: type[AttentionBackend[M]],
+    *,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    cache_dtype: str = "auto",
+    model_dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """The backend's cache: logical shape, physical stride order, storage dtype.
+
+    Contents are uninitialised. MLA backends take ``num_kv_heads=1`` and
+    ``head_size=kv_lora_rank + rope_dim``.
+    """
+    if num_blocks <= 0:
+        raise InvalidArgumentError("num_blocks", num_blocks, "a positive int")
+    if num_kv_heads <= 0:
+        raise InvalidArgumentError("num_kv_heads", num_kv_heads, "a positive int")
+    dev = torch.device(device)
+    parsed = parse_kv_cache_dtype(cache_dtype, argument="cache_dtype")
+    check_supported(
+        backend, dtype=model_dtype, head_size=head_size, block_size=block_size,
+        kv_cache_dtype=parsed,
+    )
+    shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, parsed)
+    order = backend.get_kv_cache_stride_order()
+    physical = torch.empty(
+        [shape[i] for i in order], dtype=cache_storage_dtype(parsed, model_dtype), device=dev
+    )
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return physical.permute(*inverse)
+
+
+def num_blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)
+
+
+_NB_PROBE = 7919  # a prime no other axis of a probe shape can equal
+
+
+def num_blocks_of(backend: type[AttentionBackend[M]], kv_cache: torch.Tensor) -> int:
+    """``num_blocks`` of a cache in ``backend``'s logical shape (nb is not always axis 0)."""
+    probe = backend.get_kv_cache_shape(_NB_PROBE, 16, 1, 8)
+    return int(kv_cache.shape[probe.index(_NB_PROBE)])

@@ -1,0 +1,266 @@
+"""The attention layer: write this step's K/V, then compute.
+
+This module's ``_write`` is the only code in ``vllm`` that reads ``slot_mapping``
+(from the ForwardContext). Order per call: validate -> write -> connector hook ->
+compute. KV-sharing layers and encoder-only attention never write.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from vllm.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayerProtocol,
+    AttentionLayerSpec,
+    num_blocks_of,
+)
+from vllm.attention.errors import InvalidArgumentError, InvalidTypeError
+from vllm.attention.types import AttentionType, KVCacheDType, KVQuant, parse_kv_cache_dtype
+from vllm.attention.writer import KVCacheWriter, MLAKVCacheWriter
+from vllm.attention.writers.validation import check_slots_in_range, checked_mode_from_env
+from vllm.forward_context import ForwardContext, get_forward_context
+
+
+@runtime_checkable
+class ProvidesKVCacheWriter(Protocol):
+    """An impl that supplies its own writer bound to the layer (the legacy adapter's
+    impls do, to route the write through the old ``do_kv_cache_update``)."""
+
+    def kv_cache_writer(self, layer: AttentionLayerProtocol) -> KVCacheWriter: ...
+
+
+def _scale_tensor(name: str, scale: float | torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
+    if scale is None:
+        return torch.ones(1, dtype=torch.float32)
+    t = torch.as_tensor(scale, dtype=torch.float32).reshape(-1).clone()
+    if t.numel() not in (1, num_kv_heads) or not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
+        raise InvalidArgumentError(
+            name, scale, f"a positive finite float or [1] / [num_kv_heads={num_kv_heads}] tensor"
+        )
+    return t
+
+
+class _LayerBase(nn.Module):
+    """What :class:`Attention` and :class:`MLAAttention` share: backend, cache, quant."""
+
+    kv_cache: torch.Tensor
+    _k_scale: torch.Tensor
+    _v_scale: torch.Tensor
+
+    def __init__(
+        self,
+        *,
+        backend: type[AttentionBackend[Any]],
+        spec: AttentionLayerSpec,
+        layer_name: str,
+        k_scale: float | torch.Tensor | None,
+        v_scale: float | torch.Tensor | None,
+        checked: bool | None,
+    ) -> None:
+        super().__init__()
+        candidate: object = backend
+        if not (isinstance(candidate, type) and issubclass(candidate, AttentionBackend)):
+            raise InvalidTypeError(
+                "backend", backend, "an AttentionBackend subclass (see vllm.attention.registry)"
+            )
+        self.backend = backend
+        self.spec = spec
+        self._layer_name = layer_name
+        self.checked = checked_mode_from_env() if checked is None else checked
+        self.register_buffer("_k_scale", _scale_tensor("k_scale", k_scale, spec.num_kv_heads))
+        self.register_buffer("_v_scale", _scale_tensor("v_scale", v_scale, spec.num_kv_heads))
+        self.kv_cache = torch.empty(0)
+        self.block_size: int | None = None
+        self.impl: AttentionImpl[Any] = backend.get_impl_cls()(spec)
+        self._metadata_cls = backend.get_metadata_cls()
+
+    @property
+    def layer_name(self) -> str:
+        return self._layer_name
+
+    @property
+    def kv_cache_dtype(self) -> KVCacheDType:
+        return self.spec.kv_cache_dtype
+
+    @property
+    def kv_quant(self) -> KVQuant:
+        return KVQuant(self.spec.kv_cache_dtype, self._k_scale, self._v_scale)
+
+    @property
+    def writes_kv_cache(self) -> bool:
+        """False for KV-sharing layers and encoder-only attention."""
+        return (
+            self.spec.kv_sharing_target_layer_name is None
+            and self.spec.attn_type is not AttentionType.ENCODER_ONLY
+        )
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
+        """Attach this layer's cache (a KV-sharing layer binds its target's tensor)."""
+        if not isinstance(kv_cache, torch.Tensor):
+            raise InvalidTypeError("kv_cache", type(kv_cache).__name__, "a torch.Tensor")
+        if not self.backend.block_sizes.admits(block_size):
+            raise InvalidArgumentError(
+                "block_size", block_size,
+                f"{self.backend.block_sizes.describe()} for {self.backend.name}",
+            )
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+
+    def _context_and_metadata(self) -> tuple[ForwardContext, Any]:
+        ctx = get_forward_context()
+        meta = ctx.attn_metadata_for(self.layer_name)
+        if not isinstance(meta, self._metadata_cls):
+            raise InvalidTypeError(
+                f"attn_metadata[{self.layer_name!r}]", type(meta).__name__,
+                f"{self._metadata_cls.__name__} (from {self.backend.name}.get_metadata_cls())",
+            )
+        return ctx, meta
+
+    def _slots_for_write(self, ctx: ForwardContext) -> torch.Tensor:
+        slots = ctx.slot_mapping_for(self.layer_name)
+        if self.checked:
+            if self.block_size is None:
+                raise InvalidArgumentError("kv_cache", "unbound", "bind_kv_cache() before forward")
+            check_slots_in_range(slots, self.num_cache_slots())
+        return slots
+
+    def num_cache_slots(self) -> int:
+        """``num_blocks * block_size`` of the bound cache."""
+        if self.block_size is None:
+            return 0
+        return num_blocks_of(self.backend, self.kv_cache) * self.block_size
+
+
+class Attention(_LayerBase):
+    """Multi-head / grouped-query attention over a paged cache.
+
+    ``forward(query, key, value)``: ``query`` ``[T, num_heads, head_size]`` (or
+    flattened ``[T, num_heads * head_size]``), ``key``/``value``
+    ``[T, num_kv_heads, head_size(_v)]``. Returns ``[T, num_heads, head_size_v]``
+    (flattened if ``query`` was).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        backend: type[AttentionBackend[Any]],
+        layer_name: str,
+        num_kv_heads: int | None = None,
+        head_size_v: int | None = None,
+        kv_cache_dtype: str = "auto",
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        attn_type: AttentionType = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
+        checked: bool | None = None,
+    ) -> None:
+        spec = AttentionLayerSpec(
+            num_heads=num_heads,
+            head_size=head_size,
+            num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
+            scale=scale,
+            head_size_v=head_size_v,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            attn_type=attn_type,
+            kv_cache_dtype=parse_kv_cache_dtype(kv_cache_dtype),
+            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
+        )
+        super().__init__(backend=backend, spec=spec, layer_name=layer_name,
+                         k_scale=k_scale, v_scale=v_scale, checked=checked)
+        writer: KVCacheWriter | MLAKVCacheWriter
+        if isinstance(self.impl, ProvidesKVCacheWriter):
+            writer = self.impl.kv_cache_writer(self)
+        else:
+            writer = backend.get_kv_cache_writer(spec.kv_cache_dtype)
+        if not isinstance(writer, KVCacheWriter):
+            raise InvalidTypeError("writer", writer, "a KVCacheWriter")
+        self.kv_cache_writer: KVCacheWriter = writer
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, ctx: ForwardContext) -> None:
+        """The write path: the slot mapping from ``ctx`` into this layer's cache."""
+        slots = self._slots_for_write(ctx)
+        self.kv_cache_writer.write(key, value, self.kv_cache, slots, self.kv_quant)
+        if ctx.kv_connector is not None:
+            ctx.kv_connector.on_kv_written(self.layer_name, self.kv_cache, slots)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        ctx, meta = self._context_and_metadata()
+        spec = self.spec
+        flat = query.dim() == 2
+        q = query.view(query.shape[0], spec.num_heads, spec.head_size) if flat else query
+        if (key is None) != (value is None):
+            raise InvalidArgumentError(
+                "key/value", "one of them None", "both tensors, or both None (cross-attention "
+                "after its first step)",
+            )
+        if key is not None and value is not None and self.writes_kv_cache:
+            self.write_kv(key, value, ctx)
+        if key is None and spec.attn_type is not AttentionType.ENCODER_DECODER:
+            raise InvalidArgumentError(
+                "key", None, f"a tensor for attn_type={spec.attn_type.value}"
+            )
+        out = output
+        if out is None:
+            out = torch.empty(q.shape[0], spec.num_heads, spec.v_head_size,
+                              dtype=q.dtype, device=q.device)
+        result = self.impl.forward(self, q, key, value, self.kv_cache, meta, out)
+        return result.flatten(1) if flat else result
+
+
+class MLAAttention(_LayerBase):
+    """Multi-head latent attention: writes ``(kv_c_normed, k_pe)`` through the
+    backend's :class:`~vllm.attention.MLAKVCacheWriter`, then runs the MLA impl
+    (whose metadata and projections ``docs/mla.md`` describes)."""
+
+    def __init__(
+        self,
+        *,
+        spec: AttentionLayerSpec,
+        backend: type[AttentionBackend[Any]],
+        layer_name: str,
+        k_scale: float | torch.Tensor | None = None,
+        checked: bool | None = None,
+    ) -> None:
+        super().__init__(backend=backend, spec=spec, layer_name=layer_name,
+                         k_scale=k_scale, v_scale=k_scale, checked=checked)
+        writer = backend.get_kv_cache_writer(spec.kv_cache_dtype)
+        if not isinstance(writer, MLAKVCacheWriter):
+            raise InvalidTypeError("writer", writer, "an MLAKVCacheWriter")
+        self.kv_cache_writer: MLAKVCacheWriter = writer
+
+    def write_latent(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                     ctx: ForwardContext) -> None:
+        slots = self._slots_for_write(ctx)
+        self.kv_cache_writer.write(kv_c_normed, k_pe, self.kv_cache, slots, self.kv_quant)
+        if ctx.kv_connector is not None:
+            ctx.kv_connector.on_kv_written(self.layer_name, self.kv_cache, slots)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """``q`` ``[T, num_heads, qk_head_dim]``; ``output`` ``[T, num_heads * v_head_dim]``."""
+        ctx, meta = self._context_and_metadata()
+        if self.writes_kv_cache:
+            self.write_latent(kv_c_normed, k_pe, ctx)
+        return self.impl.forward(self, q, kv_c_normed, k_pe, self.kv_cache, meta, output)

@@ -1,0 +1,252 @@
+"""Backend registry: registration and selection are separate steps.
+
+In-tree backends are listed by import path and imported the first time they are
+asked for; out-of-tree backends come from the entry-point group
+``vllm.attention_backends`` (each entry point names a backend class). Legacy
+backends are adapted through :mod:`shim` when they are registered.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import threading
+from dataclasses import dataclass
+from importlib import metadata as importlib_metadata
+from typing import Any, Final
+
+import torch
+
+from vllm.attention.backend import AttentionBackend
+from vllm.attention.errors import (
+    BackendNotFoundError,
+    BackendRegistrationError,
+    InvalidArgumentError,
+    NoBackendError,
+    PluginLoadError,
+    UnsupportedBackendError,
+)
+from vllm.attention.types import AttentionType
+
+AnyBackend = type[AttentionBackend[Any]]
+
+ENTRY_POINT_GROUP: Final = "vllm.attention_backends"
+
+# name -> "module:Class"; the order is the selection priority (fastest first).
+_IN_TREE: Final[dict[str, str]] = {
+    "FLASH_ATTN": "vllm.attention.backends.flash_attn:FlashAttentionBackend",
+    "FLASHINFER": "vllm.attention.backends.flashinfer:FlashInferBackend",
+    "TRITON_ATTN": "vllm.attention.backends.triton_attn:TritonAttentionBackend",
+    "FLEX_ATTENTION": "vllm.attention.backends.flex_attention:FlexAttentionBackend",
+    "TREE_ATTN": "vllm.attention.backends.tree_attn:TreeAttentionBackend",
+    "FLASH_ATTN_DIFFKV": "vllm.attention.backends.flash_attn_diffkv:FlashAttentionDiffKVBackend",
+    "ROCM_ATTN": "vllm.attention.backends.rocm_attn:RocmAttentionBackend",
+    "ROCM_AITER_UNIFIED_ATTN":
+        "vllm.attention.backends.rocm_aiter_unified_attn:RocmAiterUnifiedAttentionBackend",
+    "ROCM_AITER_FA": "vllm.attention.backends.rocm_aiter_fa:RocmAiterFABackend",
+    "FLASHMLA": "vllm.attention.backends.mla.flashmla:FlashMLABackend",
+    "FLASHMLA_SPARSE": "vllm.attention.backends.mla.flashmla_sparse:FlashMLASparseBackend",
+    "FLASH_ATTN_MLA": "vllm.attention.backends.mla.flash_attn_mla:FlashAttnMLABackend",
+    "FLASHINFER_MLA": "vllm.attention.backends.mla.flashinfer_mla:FlashInferMLABackend",
+    "CUTLASS_MLA": "vllm.attention.backends.mla.cutlass_mla:CutlassMLABackend",
+    "TRITON_MLA": "vllm.attention.backends.mla.triton_mla:TritonMLABackend",
+    "ROCM_AITER_MLA": "vllm.attention.backends.mla.rocm_aiter_mla:RocmAiterMLABackend",
+    "ROCM_AITER_MLA_SPARSE":
+        "vllm.attention.backends.mla.rocm_aiter_mla_sparse:RocmAiterMLASparseBackend",
+    "TORCH_REF": "vllm.attention.backends.torch_ref:TorchRefBackend",
+}
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """A registry row: where the backend comes from and, once loaded, its class."""
+
+    name: str
+    source: str
+    """``in-tree``, ``plugin:<dist>`` or ``registered``."""
+    target: str
+    """``module:Class``."""
+    cls: AnyBackend | None = None
+    error: str | None = None
+
+
+_lock = threading.RLock()
+_entries: dict[str, BackendEntry] = {}
+_plugins_loaded = False
+
+
+def _init() -> None:
+    global _plugins_loaded
+    with _lock:
+        if not _entries:
+            for name, target in _IN_TREE.items():
+                if importlib.util.find_spec(target.split(":")[0]) is not None:
+                    _entries[name] = BackendEntry(name, "in-tree", target)
+        if not _plugins_loaded:
+            _plugins_loaded = True
+            _load_plugins()
+
+
+def _load_plugins() -> None:
+    for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        _entries.setdefault(ep.name, BackendEntry(ep.name, f"plugin:{dist}", ep.value))
+
+
+def import_target(target: str) -> object:
+    """Import ``module:Attr``; a failure is a :class:`PluginLoadError` naming the target."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise InvalidArgumentError("backend", target, "a registered name or 'module:Class'")
+    try:
+        obj: object = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:  # the plugin's own error, whatever it is, is the cause
+        raise PluginLoadError(f"cannot load backend {target!r}: {type(exc).__name__}: {exc}") from exc
+    return obj
+
+
+def _as_backend(obj: object, *, origin: str) -> AnyBackend:
+    """A new-style backend class, adapting a legacy one through :mod:`shim`."""
+    if isinstance(obj, type) and issubclass(obj, AttentionBackend):
+        missing = obj.missing_declarations()
+        if missing:
+            raise BackendRegistrationError(
+                f"{origin}: backend {obj.__qualname__} lacks {', '.join(missing)}"
+            )
+        return obj
+    from shim.adapter import adapt_legacy_backend, is_legacy_backend
+
+    if is_legacy_backend(obj):
+        return adapt_legacy_backend(obj)
+    raise BackendRegistrationError(
+        f"{origin}: got {obj!r}, expected an AttentionBackend subclass or a legacy backend "
+        "class (get_name/get_impl_cls/get_metadata_cls/get_builder_cls/get_kv_cache_shape)"
+    )
+
+
+def register_backend(cls: type, *, replace: bool = False) -> AnyBackend:
+    """Register ``cls`` under its name (legacy classes are adapted). Returns the
+    registered, new-style class. Registering never makes it the selected backend."""
+    backend = _as_backend(cls, origin="register_backend")
+    _init()
+    with _lock:
+        old = _entries.get(backend.name)
+        if old is not None and not replace and old.cls is not backend:
+            raise BackendRegistrationError(
+                f"a backend named {backend.name!r} is already registered ({old.target}); "
+                "pass replace=True to override it"
+            )
+        _entries[backend.name] = BackendEntry(
+            backend.name, "registered", f"{cls.__module__}:{cls.__qualname__}", backend
+        )
+    return backend
+
+
+def unregister_backend(name: str) -> None:
+    with _lock:
+        _entries.pop(name, None)
+
+
+def _load(entry: BackendEntry) -> AnyBackend:
+    if entry.cls is not None:
+        return entry.cls
+    if entry.error is not None:
+        raise PluginLoadError(entry.error)
+    try:
+        cls = _as_backend(import_target(entry.target), origin=entry.target)
+    except (PluginLoadError, BackendRegistrationError) as exc:
+        msg = f"backend {entry.name!r} ({entry.source}, {entry.target}) failed to load: {exc}"
+        with _lock:
+            _entries[entry.name] = BackendEntry(entry.name, entry.source, entry.target, error=msg)
+        raise PluginLoadError(msg) from exc
+    with _lock:
+        _entries[entry.name] = BackendEntry(entry.name, entry.source, entry.target, cls)
+    return cls
+
+
+def get_backend(name: str) -> AnyBackend:
+    """The backend registered as ``name``, or an out-of-tree ``module:Class``."""
+    if not isinstance(name, str):
+        raise InvalidArgumentError("name", name, "a backend name string")
+    _init()
+    if ":" in name and name not in _entries:
+        return _as_backend(import_target(name), origin=name)
+    entry = _entries.get(name)
+    if entry is None:
+        raise BackendNotFoundError(
+            f"no attention backend named {name!r}; registered: {', '.join(list_backends())}"
+        )
+    return _load(entry)
+
+
+def list_backends() -> list[str]:
+    """Registered backend names, in selection priority order."""
+    _init()
+    with _lock:
+        return list(_entries)
+
+
+def list_entries() -> list[BackendEntry]:
+    """Registry rows with their load state (the CLI table reads these)."""
+    _init()
+    with _lock:
+        names = list(_entries)
+    rows = []
+    for name in names:
+        try:
+            _load(_entries[name])
+        except PluginLoadError:
+            pass
+        rows.append(_entries[name])
+    return rows
+
+
+def select_backend(
+    *,
+    dtype: torch.dtype,
+    head_size: int,
+    block_size: int,
+    kv_cache_dtype: str = "auto",
+    attn_type: AttentionType = AttentionType.DECODER,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    use_mla: bool = False,
+    use_sparse: bool = False,
+    device: torch.device | str | None = None,
+    preferred: str | None = None,
+) -> AnyBackend:
+    """The first backend (priority order, or ``preferred``) that can run this.
+
+    Raises :class:`UnsupportedBackendError` naming ``preferred``'s reasons, or
+    :class:`NoBackendError` listing every candidate with its reasons.
+    """
+    config: dict[str, Any] = dict(
+        dtype=dtype, head_size=head_size, block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype, attn_type=attn_type, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, use_mla=use_mla, use_sparse=use_sparse,
+        device=None if device is None else torch.device(device),
+    )
+    if preferred is not None:
+        backend = get_backend(preferred)
+        reasons = backend.unsupported_reasons(**config)
+        if reasons:
+            raise UnsupportedBackendError(
+                f"{backend.name} cannot run this configuration: " + "; ".join(reasons)
+            )
+        return backend
+    why: list[str] = []
+    for name in list_backends():
+        if name == "TORCH_REF":
+            continue  # the oracle is chosen only by name
+        try:
+            backend = get_backend(name)
+        except PluginLoadError as exc:
+            why.append(f"  {name}: {exc}")
+            continue
+        reasons = backend.unsupported_reasons(**config)
+        if not reasons:
+            return backend
+        why.append(f"  {name}: " + "; ".join(reasons))
+    raise NoBackendError("no attention backend can run this configuration:\n" + "\n".join(why))

@@ -1,0 +1,130 @@
+"""Typed options shared by writers, backends and the layer.
+
+Layouts are described once in ``docs/layouts.md``; this module only names them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Final, Literal, get_args
+
+import torch
+
+from vllm.attention.errors import InvalidArgumentError
+
+KVCacheDType = Literal[
+    "auto",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_ds_mla",
+    "int8_per_token_head",
+    "fp8_per_token_head",
+]
+"""Cache element formats. ``auto`` stores the model dtype unscaled; ``fp8`` is E4M3."""
+
+KV_CACHE_DTYPES: Final[tuple[KVCacheDType, ...]] = get_args(KVCacheDType)
+
+
+def parse_kv_cache_dtype(value: str, *, argument: str = "kv_cache_dtype") -> KVCacheDType:
+    """Return ``value`` as a :data:`KVCacheDType`, or raise naming the allowed values."""
+    for allowed in KV_CACHE_DTYPES:
+        if value == allowed:
+            return allowed
+    raise InvalidArgumentError(argument, value, f"one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+_FP8_TORCH_DTYPE: Final[dict[str, torch.dtype]] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def is_fp8_scaled(cache_dtype: KVCacheDType) -> bool:
+    """True for the per-tensor / per-head scaled fp8 formats (not the MLA or per-token ones)."""
+    return cache_dtype in _FP8_TORCH_DTYPE
+
+
+def cache_storage_dtype(cache_dtype: KVCacheDType, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the cache tensor for ``cache_dtype`` with a model in ``model_dtype``."""
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype in _FP8_TORCH_DTYPE:
+        return _FP8_TORCH_DTYPE[cache_dtype]
+    # Byte-packed formats: values and their scales share one uint8 row.
+    return torch.uint8
+
+
+class KVCacheLayout(enum.Enum):
+    """How a backend's ``kv_cache`` tensor holds K and V (see ``docs/layouts.md``)."""
+
+    SPLIT_NHD = "split_nhd"
+    """Logical and physical ``(nb, 2, bs, H, D)``."""
+    SPLIT_HND = "split_hnd"
+    """Logical ``(nb, 2, bs, H, D)``, physical ``(nb, 2, H, bs, D)``."""
+    SPLIT_KV_FIRST = "split_kv_first"
+    """Logical and physical ``(2, nb, bs, H, D)``."""
+    SPLIT_BLOCK_INTERLEAVED = "split_block_interleaved"
+    """Logical ``(nb, 2, bs, H, D)``, physical ``(nb, bs, 2, H, D)`` (FlexAttention)."""
+    LEGACY_PAGED = "legacy_paged"
+    """``(2, nb, bs*H*D)``: K ``[nb, H, D/x, bs, x]``, V ``[nb, H, D, bs]``."""
+    AITER_SHUFFLED = "aiter_shuffled"
+    """``(2, nb, bs, H, D)`` bytes read as K ``[nb, H, D/x, bs, x]``, V ``[nb, H, bs/x, D, x]``."""
+    DIFFKV_PACKED = "diffkv_packed"
+    """``(nb, bs, H, Dk + Dv)``: K then V on the last axis."""
+    PER_TOKEN_HEAD_QUANT = "per_token_head_quant"
+    """``(nb, 2, bs, H, D + 4)`` bytes: D quantised values then a float32 scale."""
+    MLA_LATENT = "mla_latent"
+    """``(nb, bs, kv_lora_rank + rope_dim)``."""
+    MLA_FP8_DS = "mla_fp8_ds"
+    """``(nb, bs, 656)`` uint8: 512 E4M3, 4 float32 tile scales, 64 16-bit rope values."""
+
+
+class AttentionType(enum.Enum):
+    """Which tokens attend to which, and whether a cache is involved."""
+
+    DECODER = "decoder"
+    """Causal self-attention over the paged cache."""
+    ENCODER = "encoder"
+    """Non-causal self-attention over the paged cache (encoder of an encoder-decoder)."""
+    ENCODER_ONLY = "encoder_only"
+    """Non-causal attention over this step's K/V; no cache at all."""
+    ENCODER_DECODER = "encoder_decoder"
+    """Cross-attention: decoder queries over the encoder K/V, written to the cache once."""
+
+
+def _check_scale(name: str, scale: object) -> None:
+    if not isinstance(scale, torch.Tensor):
+        raise InvalidArgumentError(name, type(scale).__name__, "a float32 torch.Tensor")
+    if scale.dtype != torch.float32:
+        raise InvalidArgumentError(f"{name}.dtype", scale.dtype, "torch.float32")
+    if scale.dim() != 1 or scale.numel() < 1:
+        raise InvalidArgumentError(f"{name}.shape", tuple(scale.shape), "[1] or [num_kv_heads]")
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """How values are stored: the cache format and its float32 scales.
+
+    ``k_scale`` / ``v_scale``: float32, shape ``[1]`` (per tensor) or ``[num_kv_heads]``.
+    Ignored for ``auto`` and the formats that carry their own scales.
+    """
+
+    kv_cache_dtype: KVCacheDType
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        parse_kv_cache_dtype(self.kv_cache_dtype, argument="KVQuant.kv_cache_dtype")
+        _check_scale("k_scale", self.k_scale)
+        _check_scale("v_scale", self.v_scale)
+
+    @classmethod
+    def unscaled(
+        cls, kv_cache_dtype: KVCacheDType = "auto", device: torch.device | str = "cpu"
+    ) -> KVQuant:
+        """Scales of 1.0 (per tensor) on ``device``."""
+        one = torch.ones(1, dtype=torch.float32, device=device)
+        return cls(kv_cache_dtype, one, one.clone())
