@@ -1,0 +1,20 @@
+"""Small helpers shared by tests (not a conftest: imported explicitly)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """Every byte of ``t``'s storage (uint8, shares memory)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def fill_random_bytes(t: torch.Tensor, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    r = raw(t)
+    r.copy_(torch.randint(0, 256, r.shape, generator=g, dtype=torch.uint8))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())

@@ -1,0 +1,331 @@
+"""The conformance kit: what every backend must satisfy, for tests and the CLI.
+
+For each configuration derived from the backend's declarations:
+
+1. **write exact**: the backend's writer (through an :class:`Attention` layer, so
+   the adapter's bound writers are covered) leaves the cache byte-identical to the
+   layout's torch reference writer applied to a copy -- which also proves nothing
+   outside the named slots changed (the cache starts as random bytes);
+2. **write vs TORCH_REF**: the stored rows equal those TORCH_REF's writer stores
+   (for cache formats TORCH_REF has);
+3. **compute**: a mixed prefill/decode batch whose contexts cross block
+   boundaries is within the backend's tolerance of a float64 dense reference
+   over the dequantised cached K/V, and every output element is written;
+4. **compute is read-only**: the cache bytes are unchanged by ``impl.forward``.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm.attention.backend import AttentionBackend, allocate_kv_cache, dtype_name
+from vllm.attention.batch import make_paged_batch
+from vllm.attention.layer import Attention
+from vllm.attention.ops.reference import attend
+from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout, KVQuant
+from vllm.attention.writers.readback import read_slots, reference_write
+from vllm.forward_context import set_forward_context
+
+AnyBackend = type[AttentionBackend[Any]]
+
+DEFAULT_TOLERANCES: dict[torch.dtype, float] = {
+    torch.float32: 1e-4,
+    torch.float16: 5e-3,
+    torch.bfloat16: 2e-2,
+}
+"""Relative Frobenius error ‖out − ref‖ / ‖ref‖ against float64, by model dtype."""
+
+
+@dataclass
+class Report:
+    """Outcome of :func:`check_backend`. ``ok`` iff ``failures`` is empty."""
+
+    backend: str
+    device: str
+    compute_path: str = ""
+    writer_path: str = ""
+    passed: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    """One point of a backend's conformance grid."""
+
+    backend: str
+    device: str
+    dtype: torch.dtype
+    cache_dtype: KVCacheDType
+    block_size: int
+    head_size: int
+    head_size_v: int | None
+    num_heads: int
+    num_kv_heads: int
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    attn_type: AttentionType = AttentionType.DECODER
+    per_head_scale: bool = False
+
+    @property
+    def id(self) -> str:
+        parts = [self.backend, self.device, dtype_name(self.dtype), self.cache_dtype,
+                 f"bs{self.block_size}", f"gqa{self.num_heads // self.num_kv_heads}"]
+        if self.sliding_window is not None:
+            parts.append(f"sw{self.sliding_window}")
+        if self.logits_soft_cap is not None:
+            parts.append("softcap")
+        if self.attn_type is not AttentionType.DECODER:
+            parts.append(self.attn_type.value)
+        if self.per_head_scale:
+            parts.append("scale_per_head")
+        return "-".join(parts)
+
+
+def _pick_head_size(backend: AnyBackend) -> int:
+    for d in (64, 128, 32, 96, 256, 16, 8):
+        if backend.head_sizes.admits(d):
+            return d
+    return min(backend.head_sizes.examples((8, 16, 32, 64, 128, 256, 512)) or (64,))
+
+
+def conformance_grid(backend: AnyBackend, device: str = "cpu", *,
+                     thorough: bool = False) -> list[CheckConfig]:
+    """The configurations the kit runs, derived from the backend's declarations."""
+    dev = torch.device(device)
+    head = _pick_head_size(backend)
+    head_v = head // 2 if getattr(backend, "distinct_v_head_size", False) else None
+    dtypes = [d for d in (torch.float32, torch.bfloat16, torch.float16)
+              if d in backend.supported_dtypes]
+    if dev.type == "cuda":
+        dtypes = [d for d in dtypes if d != torch.float32] or dtypes
+    block_sizes = backend.block_sizes.examples((16, 32, 64, 128, 1))
+    if not thorough:
+        block_sizes = block_sizes[:1] + block_sizes[-1:] if len(block_sizes) > 1 else block_sizes
+    cache_dtypes = sorted(backend.supported_kv_cache_dtypes,
+                          key=lambda c: (c != "auto", c))
+    base: list[CheckConfig] = []
+    for dt in dtypes:
+        for cd in cache_dtypes:
+            for bs in block_sizes:
+                base.append(CheckConfig(backend.name, dev.type, dt, cd, bs, head, head_v,
+                                        num_heads=8, num_kv_heads=2,
+                                        per_head_scale=cd != "auto"))
+    first = base[0]
+    extra = [CheckConfig(backend.name, dev.type, first.dtype, "auto", first.block_size, head,
+                         head_v, num_heads=h, num_kv_heads=kv)
+             for h, kv in ((4, 4), (8, 1)) if thorough or h != 4]
+    if backend.supports_sliding_window:
+        extra.append(CheckConfig(backend.name, dev.type, first.dtype, "auto", first.block_size,
+                                 head, head_v, 8, 2, sliding_window=21))
+    if backend.supports_logits_soft_cap:
+        extra.append(CheckConfig(backend.name, dev.type, first.dtype, "auto", first.block_size,
+                                 head, head_v, 8, 2, logits_soft_cap=7.5))
+    if AttentionType.ENCODER in backend.attention_types:
+        extra.append(CheckConfig(backend.name, dev.type, first.dtype, "auto", first.block_size,
+                                 head, head_v, 8, 2, attn_type=AttentionType.ENCODER))
+    return base + extra
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """All bytes of ``t``'s storage as a 1-D uint8 tensor (shares memory)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def _random_cache(backend: AnyBackend, cfg: CheckConfig, num_blocks: int,
+                  gen: torch.Generator) -> torch.Tensor:
+    head = cfg.head_size + (cfg.head_size_v or 0)
+    cache = allocate_kv_cache(
+        backend, num_blocks=num_blocks, block_size=cfg.block_size,
+        num_kv_heads=cfg.num_kv_heads, head_size=head, cache_dtype=cfg.cache_dtype,
+        model_dtype=cfg.dtype, device=cfg.device,
+    )
+    raw = raw_bytes(cache)
+    raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
+    return cache
+
+
+def _same_layout_copy(cache: torch.Tensor) -> torch.Tensor:
+    clone = torch.empty_strided(cache.shape, cache.stride(), dtype=cache.dtype,
+                                device=cache.device)
+    raw_bytes(clone).copy_(raw_bytes(cache))
+    return clone
+
+
+def _quant(cfg: CheckConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    n = cfg.num_kv_heads if cfg.per_head_scale else 1
+    k = (torch.rand(n, generator=gen) * 0.5 + 0.5).to(torch.float32)
+    v = (torch.rand(n, generator=gen) * 0.5 + 0.5).to(torch.float32)
+    return k, v
+
+
+def _make_layer(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) -> Attention:
+    k_scale, v_scale = _quant(cfg, gen)
+    layer = Attention(
+        num_heads=cfg.num_heads, head_size=cfg.head_size, num_kv_heads=cfg.num_kv_heads,
+        head_size_v=cfg.head_size_v, scale=cfg.head_size ** -0.5, backend=backend,
+        layer_name="conformance.attn", kv_cache_dtype=cfg.cache_dtype,
+        sliding_window=cfg.sliding_window, logits_soft_cap=cfg.logits_soft_cap,
+        attn_type=cfg.attn_type, k_scale=k_scale, v_scale=v_scale,
+    )
+    return layer.to(cfg.device)
+
+
+def _randn(shape: tuple[int, ...], cfg: CheckConfig, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(cfg.dtype).to(cfg.device)
+
+
+def _check_write(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) -> list[str]:
+    failures: list[str] = []
+    num_blocks = 5
+    cache = _random_cache(backend, cfg, num_blocks, gen)
+    layer = _make_layer(backend, cfg, gen)
+    layer.bind_kv_cache(cache, cfg.block_size)
+    num_slots = num_blocks * cfg.block_size
+    n = min(num_slots - 1, 23)
+    slots = torch.randperm(num_slots, generator=gen)[:n].to(torch.int64)
+    slots[torch.rand(n, generator=gen) < 0.2] = -1
+    slots = slots.to(cfg.device)
+    dv = cfg.head_size_v or cfg.head_size
+    key = _randn((n + 3, cfg.num_kv_heads, cfg.head_size), cfg, gen)
+    value = _randn((n + 3, cfg.num_kv_heads, dv), cfg, gen)
+    expected = _same_layout_copy(cache)
+    layer.kv_cache_writer.write(key, value, cache, slots, layer.kv_quant)
+    reference_write(backend.kv_cache_layout, key, value, expected, slots, layer.kv_quant)
+    if not torch.equal(raw_bytes(cache), raw_bytes(expected)):
+        diff = int((raw_bytes(cache) != raw_bytes(expected)).sum().item())
+        failures.append(f"{cfg.id} write: {diff} byte(s) differ from the "
+                        f"{backend.kv_cache_layout.value} reference writer")
+    ref_backend = _torch_ref()
+    if (cfg.cache_dtype in ref_backend.supported_kv_cache_dtypes and cfg.head_size_v is None
+            and cfg.cache_dtype != "fp8"):
+        ref_cache = _random_cache(ref_backend, cfg, num_blocks, gen)
+        ref_backend.get_kv_cache_writer(cfg.cache_dtype).write(
+            key, value, ref_cache, slots, layer.kv_quant)
+        valid = slots[slots >= 0]
+        got = read_slots(backend.kv_cache_layout, cache, valid)
+        want = read_slots(ref_backend.kv_cache_layout, ref_cache, valid)
+        for name, g, w in zip(("K", "V"), got, want):
+            if not torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)):
+                failures.append(f"{cfg.id} write: stored {name} rows differ from TORCH_REF's")
+    return failures
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    denom = float(ref.norm())
+    return float((out.double() - ref).norm()) / (denom if denom > 0 else 1.0)
+
+
+def _check_compute(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) -> list[str]:
+    failures: list[str] = []
+    bs = cfg.block_size
+    query_lens = [bs + 3, 1, 7, 1, 2]
+    context_lens = [0, 2 * bs + 1, bs, bs - 1, 3 * bs + 5]
+    causal = cfg.attn_type is AttentionType.DECODER
+    if not causal:  # encoder: whole sequences at once
+        query_lens, context_lens = [bs + 3, 5, 2 * bs + 1], [0, 0, 0]
+    batch = make_paged_batch(query_lens, context_lens, block_size=bs, device=cfg.device,
+                             generator=gen, causal=causal)
+    cache = _random_cache(backend, cfg, batch.num_blocks, gen)
+    layer = _make_layer(backend, cfg, gen)
+    layer.bind_kv_cache(cache, bs)
+    dv = cfg.head_size_v or cfg.head_size
+    n_ctx, n_new = int(batch.context_slots.numel()), int(batch.new_slots.numel())
+    k_ctx = _randn((n_ctx, cfg.num_kv_heads, cfg.head_size), cfg, gen)
+    v_ctx = _randn((n_ctx, cfg.num_kv_heads, dv), cfg, gen)
+    k_new = _randn((n_new, cfg.num_kv_heads, cfg.head_size), cfg, gen)
+    v_new = _randn((n_new, cfg.num_kv_heads, dv), cfg, gen)
+    q = _randn((n_new, cfg.num_heads, cfg.head_size), cfg, gen)
+    builder = backend.get_builder_cls()(layer.spec, torch.device(cfg.device))
+    meta = builder.build(batch.common)
+    name = layer.layer_name
+    writer = layer.kv_cache_writer
+    if n_ctx:
+        writer.write(k_ctx, v_ctx, cache, batch.context_slots, layer.kv_quant)
+    writer.write(k_new, v_new, cache, batch.new_slots, layer.kv_quant)
+    before = raw_bytes(cache).clone()
+    out = torch.full((n_new, cfg.num_heads, dv), math.nan, dtype=cfg.dtype, device=cfg.device)
+    with set_forward_context(attn_metadata={name: meta}, slot_mapping={name: batch.new_slots}):
+        result = layer.impl.forward(layer, q, k_new, v_new, cache, meta, out)
+    if not torch.equal(raw_bytes(cache), before):
+        failures.append(f"{cfg.id} compute: impl.forward changed the cache bytes")
+    if bool(torch.isnan(result).any()):
+        failures.append(f"{cfg.id} compute: output has NaN (unwritten or masked wrongly)")
+        return failures
+    # float64 reference over the dequantised cached K/V of each request
+    ref = torch.empty(n_new, cfg.num_heads, dv, dtype=torch.float64)
+    ctx_at = new_at = 0
+    for c, qn in zip(context_lens, query_lens):
+        slots = torch.cat([batch.context_slots[ctx_at: ctx_at + c],
+                           batch.new_slots[new_at: new_at + qn]])
+        k, v = read_slots(backend.kv_cache_layout, cache, slots, quant=layer.kv_quant,
+                          head_size_v=cfg.head_size_v, dequantize=True)
+        ref[new_at: new_at + qn] = attend(
+            q[new_at: new_at + qn].double().cpu(), k.double().cpu(), v.double().cpu(),
+            scale=layer.spec.scale, causal=causal, sliding_window=cfg.sliding_window,
+            logits_soft_cap=cfg.logits_soft_cap,
+        )
+        ctx_at += c
+        new_at += qn
+    tol = getattr(backend, "tolerances", DEFAULT_TOLERANCES).get(cfg.dtype, 2e-2)
+    err = _rel_err(result.cpu(), ref)
+    if not err <= tol:
+        failures.append(f"{cfg.id} compute: relative error {err:.2e} > tolerance {tol:.0e}")
+    return failures
+
+
+def _torch_ref() -> AnyBackend:
+    from vllm.attention.backends.torch_ref import TorchRefBackend
+
+    return TorchRefBackend
+
+
+def check_config(backend: AnyBackend, cfg: CheckConfig, *, seed: int = 0) -> list[str]:
+    """Failures of one configuration (empty: it conforms)."""
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        return _check_write(backend, cfg, gen) + _check_compute(backend, cfg, gen)
+    except Exception as exc:  # a crash is a failure of this config, reported with its cause
+        tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        return [f"{cfg.id}: raised {tb}"]
+
+
+def check_backend(backend: AnyBackend | str, device: str | torch.device = "cpu", *,
+                  seed: int = 0, thorough: bool = False) -> Report:
+    """Run the kit on ``backend`` (a class, registered name or ``module:Class``)."""
+    from vllm.attention.registry import get_backend
+
+    cls = get_backend(backend) if isinstance(backend, str) else backend
+    dev = torch.device(device)
+    report = Report(backend=cls.name, device=str(dev), compute_path=cls.compute_path(dev))
+    blockers = cls.device_unsupported_reasons(dev)
+    if blockers:
+        report.skipped.append(f"{cls.name} on {dev}: " + "; ".join(blockers))
+        return report
+    if cls.is_mla:
+        from vllm.attention.conformance_mla import check_mla_backend
+
+        report.failures.extend(check_mla_backend(cls, dev))
+        return report
+    if cls.kv_cache_layout in (KVCacheLayout.MLA_LATENT, KVCacheLayout.MLA_FP8_DS):
+        report.failures.append(f"{cls.name}: MLA layout but is_mla=False")
+        return report
+    writer = cls.get_kv_cache_writer("auto")
+    path = getattr(writer, "path", None)
+    report.writer_path = str(path(dev)) if callable(path) else "torch"
+    for i, cfg in enumerate(conformance_grid(cls, str(dev), thorough=thorough)):
+        failures = check_config(cls, cfg, seed=seed + i)
+        if failures:
+            report.failures.extend(failures)
+        else:
+            report.passed.append(cfg.id)
+    return report
