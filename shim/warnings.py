@@ -46,7 +46,7 @@ def warn_once(key: str, message: str) -> bool:
         if key in _warned:
             return False
         _warned.add(key)
-    warnings.warn(message, LegacyBackendWarning, stacklevel=caller_stacklevel() + 1)
+    warnings.warn(message, LegacyBackendWarning, stacklevel=caller_stacklevel())
     return True
 
 

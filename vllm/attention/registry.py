@@ -250,3 +250,11 @@ def select_backend(
             return backend
         why.append(f"  {name}: " + "; ".join(reasons))
     raise NoBackendError("no attention backend can run this configuration:\n" + "\n".join(why))
+
+
+def _reset_for_tests() -> None:
+    """Forget every registration and plugin (tests only)."""
+    global _plugins_loaded
+    with _lock:
+        _entries.clear()
+        _plugins_loaded = False
