@@ -2,6 +2,7 @@
 
 ``vllm-attn backends``        the registry as a table (status, layout, paths, why not)
 ``vllm-attn check [NAME ...]`` the conformance kit; exit 1 on any failure
+``vllm-attn generate ...``     serve tokens through the paged-KV runner
 """
 
 from __future__ import annotations
@@ -139,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thorough", action="store_true", help="the full grid (slower)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_check)
+    try:
+        from vllm.runner.cli import add_generate_parser
+    except ImportError:  # the runner is optional until it lands
+        pass
+    else:
+        add_generate_parser(sub)
     return parser
 
 
