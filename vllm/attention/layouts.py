@@ -101,3 +101,85 @@ def split_kv_views(
             "kv_cache.shape", tuple(kv_cache.shape), f"size 2 on axis {axis} ({layout.value})"
         )
     return kv_cache.select(axis, 0), kv_cache.select(axis, 1)
+
+
+def paged_x(dtype: torch.dtype) -> int:
+    """``x = 16 // element_size``: elements per 16-byte chunk (legacy and AITER layouts)."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def _reinterpret(t: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        raise InvalidArgumentError(
+            "kv_cache.stride", tuple(t.stride()),
+            f"contiguous rows per block, so that {what} can be read as {shape}",
+        ) from None
+
+
+def legacy_paged_views(
+    kv_cache: torch.Tensor, num_kv_heads: int, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K ``[nb, H, D/x, bs, x]`` and V ``[nb, H, D, bs]`` views of a ``(2, nb, bs*H*D)`` cache."""
+    h, d = num_kv_heads, head_size
+    if kv_cache.dim() != 3 or kv_cache.shape[0] != 2:
+        raise InvalidArgumentError("kv_cache.shape", tuple(kv_cache.shape),
+                                   "(2, num_blocks, block_size * num_kv_heads * head_size)")
+    x = paged_x(kv_cache.dtype)
+    if d % x:
+        raise InvalidArgumentError("head_size", d, f"a multiple of x={x} (16 bytes of "
+                                   f"{kv_cache.dtype}) for layout legacy_paged")
+    if kv_cache.shape[2] % (h * d):
+        raise InvalidArgumentError(
+            "kv_cache.shape", tuple(kv_cache.shape),
+            f"a last axis that is block_size * num_kv_heads * head_size (H*D = {h * d})",
+        )
+    nb, bs = kv_cache.shape[1], kv_cache.shape[2] // (h * d)
+    k = _reinterpret(kv_cache[0], (nb, h, d // x, bs, x), "K")
+    v = _reinterpret(kv_cache[1], (nb, h, d, bs), "V")
+    return k, v
+
+
+def aiter_shuffled_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K ``[nb, H, D/x, bs, x]`` and V ``[nb, H, bs/x, D, x]``: the bytes of a logical
+    ``(2, nb, bs, H, D)`` cache's ``[0]`` and ``[1]``, reinterpreted."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise InvalidArgumentError("kv_cache.shape", tuple(kv_cache.shape),
+                                   "(2, num_blocks, block_size, num_kv_heads, head_size)")
+    _, nb, bs, h, d = kv_cache.shape
+    x = paged_x(kv_cache.dtype)
+    if d % x:
+        raise InvalidArgumentError("head_size", d, f"a multiple of x={x} (16 bytes of "
+                                   f"{kv_cache.dtype}) for layout aiter_shuffled")
+    if bs % x:
+        raise InvalidArgumentError("block_size", bs, f"a multiple of x={x} (16 bytes of "
+                                   f"{kv_cache.dtype}) for layout aiter_shuffled")
+    k = _reinterpret(kv_cache[0], (nb, h, d // x, bs, x), "K")
+    v = _reinterpret(kv_cache[1], (nb, h, bs // x, d, x), "V")
+    return k, v
+
+
+def diffkv_views(
+    kv_cache: torch.Tensor, head_size_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K ``[nb, bs, H, Dk]`` and V ``[nb, bs, H, Dv]`` views of a ``(nb, bs, H, Dk + Dv)`` cache."""
+    if kv_cache.dim() != 4 or not 0 < head_size_k < kv_cache.shape[3]:
+        raise InvalidArgumentError(
+            "kv_cache.shape", tuple(kv_cache.shape),
+            f"(num_blocks, block_size, num_kv_heads, Dk + Dv) with Dk={head_size_k} and Dv >= 1",
+        )
+    return kv_cache[..., :head_size_k], kv_cache[..., head_size_k:]
+
+
+def mla_latent_views(
+    kv_cache: torch.Tensor, kv_lora_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent ``[nb, bs, L]`` and rope ``[nb, bs, R]`` views of a ``(nb, bs, L + R)`` cache."""
+    if kv_cache.dim() != 3 or not 0 < kv_lora_rank < kv_cache.shape[2]:
+        raise InvalidArgumentError(
+            "kv_cache.shape", tuple(kv_cache.shape),
+            f"(num_blocks, block_size, kv_lora_rank + rope_dim) with kv_lora_rank={kv_lora_rank}"
+            " and rope_dim >= 1",
+        )
+    return kv_cache[..., :kv_lora_rank], kv_cache[..., kv_lora_rank:]
