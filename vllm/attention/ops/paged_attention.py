@@ -1,0 +1,316 @@
+"""Portable paged attention: the torch path, tree masks, and path selection.
+
+The nine standard backends run this when their vendor kernel is absent:
+:func:`paged_attention` picks the Triton kernel on CUDA when Triton imports, else
+:func:`paged_attention_torch`, which gathers each request's K/V through the
+layout (:class:`~vllm.attention.ops.paged_kv.PagedKV`) and runs the reference
+attention in float32.
+
+Batch convention (as :class:`~vllm.attention.backend.CommonAttentionMetadata`):
+request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``, which
+are the last ``q_len`` of its ``seq_lens[i]`` positions; its positions live in
+the blocks ``block_table[i, :]``.
+
+Tree attention (TREE_ATTN speculative decoding): a request's queries are the
+nodes of a draft tree, in an order where a parent precedes its children. Each
+node sees the whole context (positions ``< seq_len - q_len``) and, among the new
+tokens, exactly those its tree mask row allows (itself and its ancestors). The
+batch-wide mask is packed as ``tree_mask[num_tokens, max_query_len]`` (bool):
+row ``r`` is query token ``r``; column ``j`` is the ``j``-th new token of ``r``'s own
+request. Requests without a tree get the causal lower triangle
+(:func:`pack_tree_masks`). Sliding window does not apply to tree attention.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import torch
+
+from vllm.attention.errors import InvalidArgumentError
+from vllm.attention.ops.paged_kv import PagedKV
+from vllm.attention.ops.reference import attend
+
+PathName = Literal["auto", "torch", "triton"]
+
+
+class PagedBatchLike(Protocol):
+    """What the compute paths read from a batch's metadata (see module docstring).
+
+    :class:`~vllm.attention.backend.PagedAttentionMetadata` and
+    :class:`~vllm.attention.backend.CommonAttentionMetadata` both satisfy it.
+    """
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        """``[num_reqs + 1]`` int32 on the compute device."""
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """``[num_reqs]`` int32 on the compute device."""
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """``[num_reqs, max_blocks_per_req]`` int32 on the compute device."""
+
+    @property
+    def query_start_loc_cpu(self) -> torch.Tensor: ...
+
+    @property
+    def seq_lens_cpu(self) -> torch.Tensor: ...
+
+    @property
+    def num_reqs(self) -> int: ...
+
+    @property
+    def max_query_len(self) -> int: ...
+
+    @property
+    def max_seq_len(self) -> int: ...
+
+
+# -- tree masks ------------------------------------------------------------------------
+
+def tree_ancestor_mask(parents: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[n, n]`` bool: row ``i`` marks node ``i`` and its ancestors.
+
+    ``parents[i]`` is the index of node ``i``'s parent, ``-1`` for a root; a parent
+    must precede its child (``parents[i] < i``).
+    """
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise InvalidArgumentError(f"parents[{i}]", p, f"-1 (a root) or a node index < {i}")
+        mask[i, i] = True
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask.to(device)
+
+
+def pack_tree_masks(
+    masks: Sequence[torch.Tensor | None],
+    query_lens: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Pack per-request ``[q_len, q_len]`` masks into ``[num_tokens, max_query_len]`` bool.
+
+    ``masks[i] is None`` gives request ``i`` the causal lower triangle (a prefill or a
+    plain decode in the same batch). Nonzero entries mean "visible".
+    """
+    if len(masks) != len(query_lens):
+        raise InvalidArgumentError("masks", len(masks), f"{len(query_lens)} entries (one per request)")
+    width = max(list(query_lens) + [1])
+    rows: list[torch.Tensor] = []
+    for i, (m, q) in enumerate(zip(masks, query_lens)):
+        block = torch.zeros(q, width, dtype=torch.bool)
+        if m is None:
+            block[:, :q] = torch.ones(q, q, dtype=torch.bool).tril()
+        else:
+            if tuple(m.shape) != (q, q):
+                raise InvalidArgumentError(f"masks[{i}].shape", tuple(m.shape), f"({q}, {q})")
+            block[:, :q] = m.to("cpu") != 0
+        rows.append(block)
+    packed = torch.cat(rows) if rows else torch.zeros(0, width, dtype=torch.bool)
+    return packed.to(device)
+
+
+def check_tree_mask(tree_mask: torch.Tensor, num_tokens: int, max_query_len: int) -> None:
+    """``tree_mask`` is ``[>= num_tokens, >= max_query_len]`` bool or an integer type."""
+    if tree_mask.dtype.is_floating_point or tree_mask.dtype.is_complex:
+        raise InvalidArgumentError("tree_mask.dtype", tree_mask.dtype, "torch.bool or an integer dtype")
+    if tree_mask.dim() != 2 or tree_mask.shape[0] < num_tokens or tree_mask.shape[1] < max_query_len:
+        raise InvalidArgumentError(
+            "tree_mask.shape", tuple(tree_mask.shape),
+            f"[>= num_tokens={num_tokens}, >= max_query_len={max_query_len}]",
+        )
+
+
+def tree_visibility(tree_rows: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``[Tq, Tk]`` bool from one request's ``[Tq, >= Tq]`` tree rows: the context
+    (the first ``Tk - Tq`` keys) is visible to all, the new tokens as the rows say."""
+    tq = tree_rows.shape[0]
+    ctx = torch.ones(tq, num_keys - tq, dtype=torch.bool, device=tree_rows.device)
+    return torch.cat([ctx, tree_rows[:, :tq] != 0], dim=1)
+
+
+def attend_masked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    *,
+    scale: float,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Attention of one request under an explicit mask, in ``q.dtype`` arithmetic.
+
+    ``q``: ``[Tq, Hq, D]``; ``k``: ``[Tk, H, D]``; ``v``: ``[Tk, H, Dv]``;
+    ``visible``: ``[Tq, Tk]`` bool. Returns ``[Tq, Hq, Dv]``; a query that sees no
+    key gets zeros. The tree-attention reference (with :func:`tree_visibility`).
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.to(q.dtype).repeat_interleave(group, dim=1)
+    v = v.to(q.dtype).repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+    s = s.masked_fill(~visible.to(q.device), -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", p, v)
+
+
+# -- argument checks shared by every path ----------------------------------------------
+
+def check_paged_args(
+    query: torch.Tensor,
+    kv: PagedKV,
+    batch: PagedBatchLike,
+    output: torch.Tensor,
+    *,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    tree_mask: torch.Tensor | None,
+) -> int:
+    """Validate shapes/devices; return ``num_tokens`` (``query_start_loc[-1]``)."""
+    if query.dim() != 3 or query.shape[2] != kv.head_size:
+        raise InvalidArgumentError(
+            "query.shape", tuple(query.shape), f"[num_tokens, num_heads, head_size={kv.head_size}]"
+        )
+    hq = query.shape[1]
+    if hq % kv.num_kv_heads:
+        raise InvalidArgumentError("query.shape[1]", hq, f"a multiple of num_kv_heads={kv.num_kv_heads}")
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise InvalidArgumentError("query.dtype", query.dtype, "float32, float16 or bfloat16")
+    want = (query.shape[0], hq, kv.head_size_v)
+    if tuple(output.shape) != want:
+        raise InvalidArgumentError("output.shape", tuple(output.shape), f"{want} [num_tokens, num_heads, head_size_v]")
+    for name, t in (("query", query), ("output", output), ("block_table", batch.block_table),
+                    ("seq_lens", batch.seq_lens), ("query_start_loc", batch.query_start_loc)):
+        if t.device != kv.device:
+            raise InvalidArgumentError(f"{name}.device", str(t.device), f"{kv.device} (the cache's)")
+    if batch.query_start_loc_cpu.shape[0] != batch.num_reqs + 1:
+        raise InvalidArgumentError("query_start_loc_cpu.shape", tuple(batch.query_start_loc_cpu.shape),
+                                   f"[num_reqs + 1 = {batch.num_reqs + 1}]")
+    num_tokens = int(batch.query_start_loc_cpu[-1]) if batch.num_reqs else 0
+    if num_tokens > query.shape[0]:
+        raise InvalidArgumentError("query.shape[0]", query.shape[0],
+                                   f">= num_tokens={num_tokens} (query_start_loc[-1])")
+    if sliding_window is not None and sliding_window <= 0:
+        raise InvalidArgumentError("sliding_window", sliding_window, "None or > 0")
+    if logits_soft_cap is not None and logits_soft_cap <= 0:
+        raise InvalidArgumentError("logits_soft_cap", logits_soft_cap, "None or > 0")
+    if tree_mask is not None:
+        if sliding_window is not None:
+            raise InvalidArgumentError("sliding_window", sliding_window, "None with a tree_mask")
+        check_tree_mask(tree_mask, num_tokens, batch.max_query_len)
+    return num_tokens
+
+
+# -- the torch path -----------------------------------------------------------------------
+
+def paged_attention_torch(
+    query: torch.Tensor,
+    kv: PagedKV,
+    batch: PagedBatchLike,
+    *,
+    scale: float,
+    output: torch.Tensor,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    tree_mask: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Paged attention, one request at a time, in ``compute_dtype`` (float32).
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]`` fp32/fp16/bf16.
+        kv: the layer's cache (:meth:`PagedKV.from_cache`), read only.
+        batch: request layout (module docstring); only its ``*_cpu`` tensors are
+            read on the host.
+        output: ``[num_tokens, num_heads, head_size_v]``; rows ``< query_start_loc[-1]``
+            are written, padding rows after them are left as they are.
+        tree_mask: ``[num_tokens, max_query_len]`` bool (module docstring), or None.
+    Returns:
+        ``output``.
+    """
+    check_paged_args(query, kv, batch, output, sliding_window=sliding_window,
+                     logits_soft_cap=logits_soft_cap, tree_mask=tree_mask)
+    starts = batch.query_start_loc_cpu.tolist()
+    lens = batch.seq_lens_cpu.tolist()
+    for i in range(batch.num_reqs):
+        qs, qe, length = int(starts[i]), int(starts[i + 1]), int(lens[i])
+        if qe == qs:
+            continue
+        if length < qe - qs:
+            raise InvalidArgumentError(f"seq_lens[{i}]", length, f">= its query length {qe - qs}")
+        # TODO(readback): read through vllm.attention.writers.readback.read_slots once it
+        # lands, so this path checks the Triton kernel's address math independently.
+        blocks = batch.block_table[i]
+        k = kv.load("k", blocks, length, compute_dtype)
+        v = kv.load("v", blocks, length, compute_dtype)
+        q = query[qs:qe].to(compute_dtype)
+        if tree_mask is not None:
+            visible = tree_visibility(tree_mask[qs:qe], length)
+            out = attend_masked(q, k, v, visible, scale=scale, logits_soft_cap=logits_soft_cap)
+        else:
+            out = attend(q, k, v, scale=scale, causal=causal, sliding_window=sliding_window,
+                         logits_soft_cap=logits_soft_cap)
+        output[qs:qe] = out.to(output.dtype)
+    return output
+
+
+# -- path selection ---------------------------------------------------------------------
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on ``device`` (None when they can)."""
+    from vllm.attention.ops import triton_paged_attention
+
+    return triton_paged_attention.triton_unavailable_reason(device)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv: PagedKV,
+    batch: PagedBatchLike,
+    *,
+    scale: float,
+    output: torch.Tensor,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    tree_mask: torch.Tensor | None = None,
+    path: PathName = "auto",
+) -> torch.Tensor:
+    """The portable compute: Triton on CUDA when it imports, else torch.
+
+    Same arguments as :func:`paged_attention_torch`; ``path`` forces one (``"triton"``
+    raises :class:`~vllm.attention.errors.InvalidArgumentError` where it cannot run).
+    """
+    chosen = resolve_path(kv.device, path)
+    if chosen == "triton":
+        from vllm.attention.ops.triton_paged_attention import paged_attention_triton
+
+        return paged_attention_triton(
+            query, kv, batch, scale=scale, output=output, causal=causal,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, tree_mask=tree_mask,
+        )
+    return paged_attention_torch(
+        query, kv, batch, scale=scale, output=output, causal=causal,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, tree_mask=tree_mask,
+    )
+
+
+def resolve_path(device: torch.device, path: PathName = "auto") -> Literal["torch", "triton"]:
+    """The path :func:`paged_attention` runs on ``device`` (for registry / CLI reports)."""
+    if path == "torch":
+        return "torch"
+    reason = triton_unavailable_reason(device)
+    if path == "triton":
+        if reason is not None:
+            raise InvalidArgumentError("path", path, f"'auto' or 'torch' here: {reason}")
+        return "triton"
+    return "torch" if reason is not None else "triton"
