@@ -293,6 +293,12 @@ class AttentionBackend(abc.ABC, Generic[M]):
 
     # -- the cache ----------------------------------------------------------------
     @classmethod
+    def kv_cache_layout_for(cls, cache_dtype: KVCacheDType = "auto") -> KVCacheLayout:
+        """The layout of a cache in ``cache_dtype``: ``kv_cache_layout`` unless a cache
+        format brings its own (TRITON_ATTN's per-token-head formats)."""
+        return cls.kv_cache_layout
+
+    @classmethod
     def get_kv_cache_shape(
         cls,
         num_blocks: int,
@@ -303,7 +309,8 @@ class AttentionBackend(abc.ABC, Generic[M]):
     ) -> tuple[int, ...]:
         """The logical cache shape (``docs/layouts.md``)."""
         return kv_cache_shape(
-            cls.kv_cache_layout, num_blocks, block_size, num_kv_heads, head_size
+            cls.kv_cache_layout_for(cache_dtype), num_blocks, block_size, num_kv_heads,
+            head_size,
         )
 
     @classmethod

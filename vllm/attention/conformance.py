@@ -200,11 +200,12 @@ def _check_write(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) ->
     value = _randn((n + 3, cfg.num_kv_heads, dv), cfg, gen)
     expected = _same_layout_copy(cache)
     layer.kv_cache_writer.write(key, value, cache, slots, layer.kv_quant)
-    reference_write(backend.kv_cache_layout, key, value, expected, slots, layer.kv_quant)
+    layout = backend.kv_cache_layout_for(cfg.cache_dtype)
+    reference_write(layout, key, value, expected, slots, layer.kv_quant)
     if not torch.equal(raw_bytes(cache), raw_bytes(expected)):
         diff = int((raw_bytes(cache) != raw_bytes(expected)).sum().item())
         failures.append(f"{cfg.id} write: {diff} byte(s) differ from the "
-                        f"{backend.kv_cache_layout.value} reference writer")
+                        f"{layout.value} reference writer")
     ref_backend = _torch_ref()
     if (cfg.cache_dtype in ref_backend.supported_kv_cache_dtypes and cfg.head_size_v is None
             and cfg.cache_dtype != "fp8"):
@@ -212,7 +213,7 @@ def _check_write(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) ->
         ref_backend.get_kv_cache_writer(cfg.cache_dtype).write(
             key, value, ref_cache, slots, layer.kv_quant)
         valid = slots[slots >= 0]
-        got = read_slots(backend.kv_cache_layout, cache, valid)
+        got = read_slots(layout, cache, valid)
         want = read_slots(ref_backend.kv_cache_layout, ref_cache, valid)
         for name, g, w in zip(("K", "V"), got, want):
             if not torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)):
@@ -267,7 +268,8 @@ def _check_compute(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) 
     for c, qn in zip(context_lens, query_lens):
         slots = torch.cat([batch.context_slots[ctx_at: ctx_at + c],
                            batch.new_slots[new_at: new_at + qn]])
-        k, v = read_slots(backend.kv_cache_layout, cache, slots, quant=layer.kv_quant,
+        k, v = read_slots(backend.kv_cache_layout_for(cfg.cache_dtype), cache, slots,
+                          quant=layer.kv_quant,
                           head_size_v=cfg.head_size_v, dequantize=True)
         ref[new_at: new_at + qn] = attend(
             q[new_at: new_at + qn].double().cpu(), k.double().cpu(), v.double().cpu(),
