@@ -236,7 +236,7 @@ def paged_attention_triton(
         DEQUANT=int(kv.dequant), CAUSAL=causal and tree_mask is None,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logits_soft_cap is not None,
         HAS_TREE=tree_mask is not None, FP32_DOT=q.dtype == torch.float32,
-        NUM_SPLITS=splits, WHILE_LOOP=interpreter_active(),
+        NUM_SPLITS=splits, INTERPRETER=interpreter_active(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

@@ -70,6 +70,18 @@ def _dim_offsets(offs_d: Any, s_hi: int, S_LO: tl.constexpr, SPLIT: tl.constexpr
 
 
 @jit
+def _dot(a: Any, b: Any, IEEE: tl.constexpr, INTERPRETER: tl.constexpr) -> Any:
+    """``a @ b`` in float32. The interpreter multiplies bf16 as raw uint16 bits, so
+    there both sides (already rounded to the dot dtype) are widened first."""
+    if INTERPRETER:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@jit
 def _attend_tile(
     start: Any, hi: Any, q: Any, m_i: Any, l_i: Any, acc: Any,
     q_pos: Any, row_ok: Any, tok: Any, ctx_len: Any, kv_head: Any,
@@ -84,6 +96,7 @@ def _attend_tile(
     K_TS: tl.constexpr, V_TS: tl.constexpr,
     DEQUANT: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
+    INTERPRETER: tl.constexpr,
 ) -> Any:
     """Keys ``start .. start + BLOCK_N`` (clipped to ``hi``): one online-softmax step.
     Returns the updated ``(m_i, l_i, acc)``."""
@@ -103,11 +116,7 @@ def _attend_tile(
     else:
         dk_ok = tl.arange(0, HEAD_K_PAD) < HEAD_K
         k = tl.load(k_ptrs, mask=n_ok[None, :] & dk_ok[:, None], other=0.0)
-    k = k.to(q.dtype)
-    if FP32_DOT:
-        s = tl.dot(q, k, input_precision="ieee")
-    else:
-        s = tl.dot(q, k)
+    s = _dot(q, k.to(q.dtype), FP32_DOT, INTERPRETER)
     if DEQUANT == 1:
         s = s * k_sc
     if DEQUANT == 2:
@@ -153,10 +162,7 @@ def _attend_tile(
         v_tok_sc = tl.load(vs_ptr + blk * vs_sb + off * vs_st + kv_head * vs_sh,
                            mask=n_ok, other=0.0)
         p = p * v_tok_sc[None, :]
-    if FP32_DOT:
-        acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc += tl.dot(p.to(q.dtype), v.to(q.dtype))
+    acc += _dot(p.to(q.dtype), v.to(q.dtype), FP32_DOT, INTERPRETER)
     return m_i, l_i, acc
 
 
@@ -181,7 +187,7 @@ def paged_attention_kernel(
     V_TS: tl.constexpr, V_DS: tl.constexpr, V_SDL: tl.constexpr,
     DEQUANT: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, INTERPRETER: tl.constexpr,
 ) -> None:
     """Grid ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads, NUM_SPLITS)``.
 
@@ -254,7 +260,7 @@ def paged_attention_kernel(
     # Numpy 2 rejects range() over the interpreter's 1-element scalars, so the
     # interpreter runs the same tile body under a while loop; compiled code keeps
     # the for loop, which Triton software-pipelines.
-    if WHILE_LOOP:
+    if INTERPRETER:
         start = lo
         while start < hi:
             m_i, l_i, acc = _attend_tile(
@@ -263,7 +269,7 @@ def paged_attention_kernel(
                 ks_ptr, ks_sb, ks_st, ks_sh, k_sc, vs_ptr, vs_sb, vs_st, vs_sh,
                 bt_row, tree_ptr, tree_s, qk_scale, softcap_log2, window,
                 BLOCK_N, HEAD_K, HEAD_V, HEAD_K_PAD, HEAD_V_PAD, BLOCK_SIZE, K_TS, V_TS,
-                DEQUANT, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_TREE, FP32_DOT,
+                DEQUANT, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_TREE, FP32_DOT, INTERPRETER,
             )
             start += BLOCK_N
     else:
@@ -274,7 +280,7 @@ def paged_attention_kernel(
                 ks_ptr, ks_sb, ks_st, ks_sh, k_sc, vs_ptr, vs_sb, vs_st, vs_sh,
                 bt_row, tree_ptr, tree_s, qk_scale, softcap_log2, window,
                 BLOCK_N, HEAD_K, HEAD_V, HEAD_K_PAD, HEAD_V_PAD, BLOCK_SIZE, K_TS, V_TS,
-                DEQUANT, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_TREE, FP32_DOT,
+                DEQUANT, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_TREE, FP32_DOT, INTERPRETER,
             )
 
     if DEQUANT == 1:

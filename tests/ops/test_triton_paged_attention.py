@@ -1,0 +1,138 @@
+"""The Triton paged-attention kernels against float64 attention over the
+dequantised K/V: under Triton's CPU interpreter (small shapes) and on CUDA (gpu).
+
+Without Triton these tests skip with the import error as the reason. The
+interpreter is chosen when a kernel module is first imported, so this module sets
+``TRITON_INTERPRET=1`` before any kernel import on machines without CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import pytest
+import torch
+
+from tests.ops.paged_cases import (
+    TOLERANCE,
+    Case,
+    L,
+    build,
+    layout_cases,
+    option_cases,
+    rel_err,
+    shape_cases,
+)
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+if HAVE_TRITON and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _skip_reason(device: str) -> str | None:
+    if not HAVE_TRITON:
+        return "triton is not installed (pip install triton)"
+    from vllm.attention.ops.triton_paged_attention import triton_unavailable_reason
+
+    return triton_unavailable_reason(torch.device(device))
+
+
+def _require(device: str) -> None:
+    reason = _skip_reason(device)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _run(case: Case, device: str, **kwargs: object) -> float:
+    from vllm.attention.ops.triton_paged_attention import paged_attention_triton
+
+    b = build(case, device)
+    out = b.new_output()
+    snapshot = b.kv_cache.view(torch.uint8).clone() if b.kv_cache.element_size() == 1 else b.kv_cache.clone()
+    paged_attention_triton(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
+                           causal=case.causal, sliding_window=case.sliding_window,
+                           logits_soft_cap=case.logits_soft_cap, tree_mask=b.tree_mask,
+                           **kwargs)  # type: ignore[arg-type]
+    assert not out.isnan().any(), "every output element is written"
+    cache_now = b.kv_cache.view(torch.uint8) if b.kv_cache.element_size() == 1 else b.kv_cache
+    assert torch.equal(cache_now.nan_to_num(), snapshot.nan_to_num()), "compute never writes the cache"
+    return rel_err(out, b.reference)
+
+
+# -- interpreter: small shapes -------------------------------------------------------
+
+SMALL = dict(query_lens=(1, 5, 1, 9), context_lens=(0, 20, 35, 11))
+INTERP_CASES = (
+    [c.with_(**SMALL) for c in layout_cases()]
+    + [c.with_(query_lens=(1, 5, 1, 9), context_lens=(0, 20, 70, 11)) for c in shape_cases()
+       if c.layout is L.SPLIT_NHD or c.block_size == 16]
+    + [c if c.tree else c.with_(**SMALL) for c in option_cases()]
+)
+
+
+@pytest.mark.parametrize("case", INTERP_CASES, ids=[c.id() for c in INTERP_CASES])
+def test_interpreter_matches_float64_reference(case: Case) -> None:
+    _require("cpu")
+    err = _run(case, "cpu")
+    tol = TOLERANCE[case.dtype]
+    assert err <= tol, f"relative error {err:.3g} > {tol:g}"
+
+
+SPLIT_CASES = [
+    Case(L.SPLIT_NHD, "auto", query_lens=(1, 1, 1), context_lens=(70, 3, 40)),
+    Case(L.LEGACY_PAGED, "fp8_e4m3", query_lens=(1, 2, 1), context_lens=(70, 30, 0), per_head_scale=True),
+    Case(L.AITER_SHUFFLED, "auto", dtype=torch.bfloat16, query_lens=(1, 1), context_lens=(90, 33),
+         sliding_window=40),
+    Case(L.PER_TOKEN_HEAD_QUANT, "int8_per_token_head", query_lens=(1, 1), context_lens=(64, 17),
+         logits_soft_cap=3.0),
+    Case(L.SPLIT_KV_FIRST, "auto", tree=True, query_lens=(4, 3), context_lens=(60, 21)),
+]
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id() for c in SPLIT_CASES])
+def test_interpreter_split_k_matches_reference(case: Case, num_splits: int) -> None:
+    """Split-K, including splits with no keys (more splits than key tiles)."""
+    _require("cpu")
+    err = _run(case, "cpu", num_splits=num_splits)
+    assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
+
+
+def test_interpreter_tile_spanning_pages_and_non_pow2_group() -> None:
+    """block_n larger than the page (per-token block lookup) and GQA 6 (padded rows)."""
+    _require("cpu")
+    from vllm.attention.ops.triton_paged_attention import TritonLaunchConfig
+
+    case = Case(L.SPLIT_HND, "auto", block_size=16, group=6, num_kv_heads=1, **SMALL)  # type: ignore[arg-type]
+    for cfg in (TritonLaunchConfig(block_m=16, block_n=32, num_splits=1),
+                TritonLaunchConfig(block_m=32, block_n=64, num_splits=2)):
+        assert _run(case, "cpu", config=cfg) <= TOLERANCE[torch.float32]
+
+
+# -- CUDA ------------------------------------------------------------------------------
+
+GPU_CASES = (
+    [c.with_(dtype=torch.bfloat16) for c in layout_cases()]
+    + [c.with_(dtype=torch.bfloat16, query_lens=(1, 300, 1, 64, 1), context_lens=(4000, 0, 1500, 700, 33))
+       for c in shape_cases()]
+    + option_cases()
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c.id() for c in GPU_CASES])
+def test_cuda_matches_float64_reference(case: Case) -> None:
+    _require("cuda")
+    err = _run(case, "cuda")
+    assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+def test_cuda_long_decode_split_k(num_splits: int) -> None:
+    _require("cuda")
+    case = Case(L.SPLIT_NHD, "auto", dtype=torch.bfloat16, num_kv_heads=8, group=4, head_size=128,
+                query_lens=(1,) * 8, context_lens=(4095, 4000, 17, 2048, 1, 3333, 4095, 100))
+    assert _run(case, "cuda", num_splits=num_splits) <= TOLERANCE[torch.bfloat16]
