@@ -1,0 +1,620 @@
+"""What the eight MLA backends share: layer spec, metadata, builder, impl, declarations.
+
+The math (absorbed decode, expanded prefill, sparse top-k) is in ``docs/mla.md``;
+the cache layouts in ``docs/layouts.md``. Nothing here writes the cache and no
+metadata class carries ``slot_mapping``: the layer writes through the backend's
+:class:`~vllm.attention.MLAKVCacheWriter` before calling the impl.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Final, Generic, TypeVar
+
+import torch
+
+from vllm.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayerProtocol,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    ComputePath,
+    SizeSpec,
+    exactly,
+    multiple_of,
+)
+from vllm.attention.errors import InvalidArgumentError, InvalidTypeError
+from vllm.attention.layouts import FP8_DS_MLA_ENTRY_BYTES, FP8_DS_MLA_LATENT, FP8_DS_MLA_ROPE
+from vllm.attention.ops.mla_attention import (
+    DecodeGroup,
+    LatentFormat,
+    PrefillGroup,
+    mla_decode_torch,
+    mla_prefill_torch,
+    mla_sparse_torch,
+)
+from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
+
+if TYPE_CHECKING:
+    from vllm.attention.ops.mla_vendor import MLAVendorKernel
+    from vllm.attention.writer import KVCacheWriter, MLAKVCacheWriter
+
+HALF_DTYPES: Final = frozenset({torch.float16, torch.bfloat16})
+FLOAT_DTYPES: Final = frozenset({torch.float32, torch.float16, torch.bfloat16})
+DEEPSEEK_HEAD_SIZE: Final = FP8_DS_MLA_LATENT + FP8_DS_MLA_ROPE
+"""576: kv_lora_rank 512 + rope 64, the only latent size the vendor kernels take."""
+
+
+# -- the layer's shape and weights ------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class MLAProjection:
+    """The up-projections the impl absorbs (decode) or applies (prefill).
+
+    ``w_uk``: ``[N, P, L]`` (``k_nope[n] = W_UK[n] @ kv_c``);
+    ``w_uv``: ``[N, L, V]`` (``v[n] = kv_c @ W_UV[n]``). On the compute device,
+    in any float dtype (the paths compute in float32 or the model dtype).
+    """
+
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name in ("w_uk", "w_uv"):
+            w = getattr(self, name)
+            if not isinstance(w, torch.Tensor):
+                raise InvalidTypeError(name, type(w).__name__, "a torch.Tensor")
+            if w.dim() != 3 or not w.is_floating_point():
+                raise InvalidArgumentError(
+                    f"{name}.shape", tuple(w.shape), "a 3-D float tensor ([N, P, L] / [N, L, V])"
+                )
+        if self.w_uk.shape[0] != self.w_uv.shape[0] or self.w_uk.shape[2] != self.w_uv.shape[1]:
+            raise InvalidArgumentError(
+                "w_uv.shape", tuple(self.w_uv.shape),
+                f"[N={self.w_uk.shape[0]}, L={self.w_uk.shape[2]}, V] to match w_uk",
+            )
+
+    @classmethod
+    def from_kv_b_proj(cls, weight: torch.Tensor, *, num_heads: int, qk_nope_head_dim: int,
+                       v_head_dim: int) -> MLAProjection:
+        """Split a ``kv_b_proj`` weight ``[N * (P + V), L]`` (``nn.Linear`` layout)."""
+        rows = num_heads * (qk_nope_head_dim + v_head_dim)
+        if weight.dim() != 2 or weight.shape[0] != rows:
+            raise InvalidArgumentError(
+                "weight.shape", tuple(weight.shape), f"[N * (P + V) = {rows}, kv_lora_rank]"
+            )
+        w = weight.view(num_heads, qk_nope_head_dim + v_head_dim, weight.shape[1])
+        w_uk = w[:, :qk_nope_head_dim].contiguous()
+        w_uv = w[:, qk_nope_head_dim:].transpose(1, 2).contiguous()
+        return cls(w_uk=w_uk, w_uv=w_uv)
+
+    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """``[T, N, P]`` -> ``[T, N, L]`` (``q_nope[n] @ W_UK[n]``), in ``q_nope.dtype``."""
+        w = self.w_uk.to(device=q_nope.device, dtype=q_nope.dtype)
+        return torch.bmm(q_nope.transpose(0, 1), w).transpose(0, 1)
+
+    def project_output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """``[T, N, L]`` -> ``[T, N, V]`` (``o_lat[n] @ W_UV[n]``), in ``o_lat.dtype``."""
+        w = self.w_uv.to(device=o_lat.device, dtype=o_lat.dtype)
+        return torch.bmm(o_lat.transpose(0, 1), w).transpose(0, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLALayerSpec(AttentionLayerSpec):
+    """An MLA layer: ``num_kv_heads = 1`` and ``head_size = kv_lora_rank + rope_dim``
+    (the cache row); queries are ``[T, N, qk_nope_head_dim + qk_rope_head_dim]`` and
+    the output ``[T, N * v_head_dim]``. Build with :meth:`create`."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    projection: MLAProjection = field(compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(name, value, "a positive int")
+        if self.num_kv_heads != 1:
+            raise InvalidArgumentError("num_kv_heads", self.num_kv_heads, "1 for MLA")
+        if self.head_size != self.kv_lora_rank + self.qk_rope_head_dim:
+            raise InvalidArgumentError(
+                "head_size", self.head_size,
+                f"kv_lora_rank + qk_rope_head_dim = {self.kv_lora_rank + self.qk_rope_head_dim}",
+            )
+        want_uk = (self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank)
+        want_uv = (self.num_heads, self.kv_lora_rank, self.v_head_dim)
+        if not isinstance(self.projection, MLAProjection):
+            raise InvalidTypeError("projection", type(self.projection).__name__, "an MLAProjection")
+        if tuple(self.projection.w_uk.shape) != want_uk:
+            raise InvalidArgumentError("projection.w_uk.shape", tuple(self.projection.w_uk.shape),
+                                       f"[N, P, L] = {list(want_uk)}")
+        if tuple(self.projection.w_uv.shape) != want_uv:
+            raise InvalidArgumentError("projection.w_uv.shape", tuple(self.projection.w_uv.shape),
+                                       f"[N, L, V] = {list(want_uv)}")
+        if self.sliding_window is not None or self.logits_soft_cap is not None:
+            raise InvalidArgumentError(
+                "sliding_window/logits_soft_cap", (self.sliding_window, self.logits_soft_cap),
+                "None for MLA",
+            )
+        if self.attn_type is not AttentionType.DECODER:
+            raise InvalidArgumentError("attn_type", self.attn_type.value, "decoder for MLA")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_heads: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        projection: MLAProjection,
+        scale: float | None = None,
+        kv_cache_dtype: KVCacheDType = "auto",
+        kv_sharing_target_layer_name: str | None = None,
+    ) -> MLALayerSpec:
+        """The spec with the derived fields filled in; ``scale`` defaults to
+        ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``."""
+        return cls(
+            num_heads=num_heads,
+            head_size=kv_lora_rank + qk_rope_head_dim,
+            num_kv_heads=1,
+            scale=(qk_nope_head_dim + qk_rope_head_dim) ** -0.5 if scale is None else scale,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
+            kv_lora_rank=kv_lora_rank,
+            qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim,
+            projection=projection,
+        )
+
+
+# -- metadata -------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class MLAMetadata(AttentionMetadata):
+    """One step of an MLA batch, split into the absorbed (decode) and expanded
+    (prefill) paths. Request ``i`` is a decode request iff its query length is at
+    most ``decode_threshold``. Token index tensors select rows of the step's ``q``.
+    """
+
+    query_start_loc: torch.Tensor
+    """``[num_reqs + 1]`` int32."""
+    seq_lens: torch.Tensor
+    """``[num_reqs]`` int32."""
+    block_table: torch.Tensor
+    """``[num_reqs, max_blocks]`` int32."""
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    token_req: torch.Tensor
+    """``[num_actual_tokens]`` int32: the request of each query token."""
+    token_pos: torch.Tensor
+    """``[num_actual_tokens]`` int32: each query token's position in its sequence."""
+    decode_threshold: int
+    decode_token_idx: torch.Tensor
+    """``[num_decode_tokens]`` int64 rows of ``q`` on the absorbed path, by request."""
+    prefill_token_idx: torch.Tensor
+    """``[num_prefill_tokens]`` int64 rows of ``q`` on the expanded path, by request."""
+    decode_groups: tuple[DecodeGroup, ...]
+    """Per decode request: its rows of the decode batch and its sequence length."""
+    prefill_groups: tuple[PrefillGroup, ...]
+    decode_req_ids: torch.Tensor
+    """``[num_decode_reqs]`` int64 (on device): the decode requests in decode-batch order."""
+    max_decode_seq_len: int
+    uniform_single_token_decode: bool
+    """Every decode request has exactly one query token (what vendor decode kernels take)."""
+    prefill_chunk_tokens: int
+    """Context tokens expanded at once on the prefill path (bounds its memory)."""
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return int(self.decode_token_idx.shape[0])
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return int(self.prefill_token_idx.shape[0])
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLASparseMetadata(MLAMetadata):
+    """MLA metadata plus the indexer's choice: every token attends over its top-k
+    positions only, on the absorbed path (``docs/mla.md``, "Sparse")."""
+
+    topk_indices: torch.Tensor | None = None
+    """``[num_actual_tokens, topk]`` int32 positions within the token's request;
+    ``-1`` pads. A position is attended iff ``0 <= p <= token position``."""
+
+    def with_topk_indices(self, topk_indices: torch.Tensor) -> MLASparseMetadata:
+        """A copy carrying ``topk_indices`` (as an indexer produces them per step)."""
+        check_topk_indices(topk_indices, self.num_actual_tokens, self.token_req.device)
+        return dataclasses.replace(self, topk_indices=topk_indices)
+
+
+def check_topk_indices(topk: object, num_tokens: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(topk, torch.Tensor):
+        raise InvalidTypeError("topk_indices", type(topk).__name__, "a torch.Tensor")
+    if topk.dtype != torch.int32:
+        raise InvalidArgumentError("topk_indices.dtype", topk.dtype, "torch.int32")
+    if topk.dim() != 2 or topk.shape[0] < num_tokens or topk.shape[1] < 1:
+        raise InvalidArgumentError("topk_indices.shape", tuple(topk.shape),
+                                   f"[>= num_tokens={num_tokens}, topk >= 1]")
+    if topk.device != device:
+        raise InvalidArgumentError("topk_indices.device", str(topk.device), f"{device}")
+    return topk
+
+
+MT = TypeVar("MT", bound=MLAMetadata)
+
+
+def split_batch(cls: type[MT], common: CommonAttentionMetadata, *, decode_threshold: int,
+                prefill_chunk_tokens: int, device: torch.device) -> MT:
+    """``cls`` metadata for ``common``: the decode/prefill split, computed on the host
+    from ``*_cpu`` tensors (no device sync) and copied to ``device`` once."""
+    if not common.causal:
+        raise InvalidArgumentError("common.causal", False, "True: MLA is causal decoder attention")
+    if prefill_chunk_tokens <= 0:
+        raise InvalidArgumentError("prefill_chunk_tokens", prefill_chunk_tokens, "a positive int")
+    starts = [int(x) for x in common.query_start_loc_cpu.tolist()]
+    lens = [int(x) for x in common.seq_lens_cpu.tolist()]
+    token_req: list[int] = []
+    token_pos: list[int] = []
+    dec_idx: list[int] = []
+    pre_idx: list[int] = []
+    dec_groups: list[DecodeGroup] = []
+    pre_groups: list[PrefillGroup] = []
+    dec_reqs: list[int] = []
+    single = True
+    for r in range(common.num_reqs):
+        qs, qe, sl = starts[r], starts[r + 1], lens[r]
+        ql = qe - qs
+        if ql > sl:
+            raise InvalidArgumentError(f"seq_lens[{r}]", sl, f">= its query length {ql}")
+        token_req.extend([r] * ql)
+        token_pos.extend(range(sl - ql, sl))
+        if ql == 0:
+            continue
+        if ql <= decode_threshold:
+            dec_groups.append(DecodeGroup(r, sl, slice(len(dec_idx), len(dec_idx) + ql)))
+            dec_idx.extend(range(qs, qe))
+            dec_reqs.append(r)
+            single = single and ql == 1
+        else:
+            pre_groups.append(PrefillGroup(r, sl, slice(len(pre_idx), len(pre_idx) + ql)))
+            pre_idx.extend(range(qs, qe))
+
+    def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    return cls(
+        query_start_loc=common.query_start_loc, seq_lens=common.seq_lens,
+        block_table=common.block_table, query_start_loc_cpu=common.query_start_loc_cpu,
+        seq_lens_cpu=common.seq_lens_cpu, num_reqs=common.num_reqs,
+        num_actual_tokens=common.num_actual_tokens, max_query_len=common.max_query_len,
+        max_seq_len=common.max_seq_len, block_size=common.block_size,
+        token_req=t(token_req, torch.int32), token_pos=t(token_pos, torch.int32),
+        decode_threshold=decode_threshold,
+        decode_token_idx=t(dec_idx, torch.int64), prefill_token_idx=t(pre_idx, torch.int64),
+        decode_groups=tuple(dec_groups), prefill_groups=tuple(pre_groups),
+        decode_req_ids=t(dec_reqs, torch.int64),
+        max_decode_seq_len=max((g.seq_len for g in dec_groups), default=0),
+        uniform_single_token_decode=single, prefill_chunk_tokens=prefill_chunk_tokens,
+    )
+
+
+class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
+    """Splits the batch: requests with at most ``decode_threshold`` new tokens take
+    the absorbed path, the rest the expanded (prefill) path."""
+
+    decode_threshold: int = 1
+    prefill_chunk_tokens: int = 4096
+
+    def build(self, common: CommonAttentionMetadata) -> MLAMetadata:
+        return split_batch(MLAMetadata, common, decode_threshold=self.decode_threshold,
+                           prefill_chunk_tokens=self.prefill_chunk_tokens, device=self.device)
+
+
+class MLASparseMetadataBuilder(AttentionMetadataBuilder[MLASparseMetadata]):
+    """Sparse MLA: every token takes the absorbed path over its top-k positions."""
+
+    prefill_chunk_tokens: int = 4096
+
+    def build(self, common: CommonAttentionMetadata,
+              topk_indices: torch.Tensor | None = None) -> MLASparseMetadata:
+        """``topk_indices`` may also be attached later with
+        :meth:`MLASparseMetadata.with_topk_indices`."""
+        meta = split_batch(MLASparseMetadata, common,
+                           decode_threshold=max(common.max_query_len, 1),
+                           prefill_chunk_tokens=self.prefill_chunk_tokens, device=self.device)
+        return meta if topk_indices is None else meta.with_topk_indices(topk_indices)
+
+
+MM = TypeVar("MM", bound=MLAMetadata)
+
+
+# -- the impl -------------------------------------------------------------------------
+def _triton_available() -> bool:
+    return _importable("triton")
+
+
+@functools.cache
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except Exception:  # any failure to import means the path cannot run here
+        return False
+    return True
+
+
+def portable_path(device: torch.device) -> ComputePath:
+    """``triton`` (Triton decode kernel, torch prefill) on CUDA when Triton imports,
+    else ``torch``."""
+    if device.type == "cuda" and _triton_available():
+        return "triton"
+    return "torch"
+
+
+class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
+    """Compute of one MLA layer over its latent cache. Never writes ``kv_cache``.
+
+    Decode rows run absorbed (``q_nope @ W_UK`` against the latent, output through
+    ``W_UV``); prefill rows expand K/V from the latent and run causal attention,
+    chunked over the context. ``vendor`` (a class attribute set per backend) is
+    used for decode when it can run; ``last_path`` records what ran.
+    """
+
+    vendor: ClassVar[MLAVendorKernel | None] = None
+    is_sparse: ClassVar[bool] = False
+
+    def __init__(self, spec: AttentionLayerSpec) -> None:
+        if not isinstance(spec, MLALayerSpec):
+            raise InvalidTypeError(
+                "spec", type(spec).__name__,
+                "an MLALayerSpec (MLA backends need the latent dims and weights)")
+        super().__init__(spec)
+        self.mla: MLALayerSpec = spec
+        self.force_path: ComputePath | None = None
+        """Tests and benchmarks pin a path (``torch``, ``triton`` or the vendor's)."""
+        self.last_path: ComputePath | None = None
+
+    # -- path choice --------------------------------------------------------------------
+    def decode_path(self, device: torch.device, meta: MLAMetadata) -> ComputePath:
+        if self.force_path is not None:
+            return self.force_path
+        v = self.vendor
+        if (v is not None and not self.is_sparse and meta.uniform_single_token_decode
+                and not v.unavailable_reasons(device, self.mla.kv_cache_dtype)
+                and not v.config_reasons(self.mla, meta.block_size)):
+            return v.name
+        return portable_path(device)
+
+    # -- forward ------------------------------------------------------------------------
+    def forward(
+        self,
+        layer: AttentionLayerProtocol,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: MM,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """MLA attention of this step's queries.
+
+        Args:
+            query: ``[>= T, N, P + R]``.
+            key, value: this step's ``kv_c_normed`` ``[T, L]`` and ``k_pe`` ``[T, R]``,
+                already in the cache; unused (compute reads the cache).
+            kv_cache: ``(nb, bs, L + R)`` or ``(nb, bs, 656)`` uint8 (read only).
+            output: ``[>= T, N * V]`` or ``[>= T, N, V]``; rows ``< T`` are written.
+        Returns:
+            ``output``.
+        """
+        spec = self.mla
+        meta = attn_metadata
+        t = meta.num_actual_tokens
+        n, v_dim = spec.num_heads, spec.v_head_dim
+        self._check_inputs(query, kv_cache, output, t)
+        out3 = output.view(output.shape[0], n, v_dim)
+        fmt = self.latent_format(layer, query.dtype)
+        if self.is_sparse:
+            self._forward_sparse(query, kv_cache, meta, fmt, out3)
+            return output
+        paths: list[str] = []
+        if meta.num_decode_tokens:
+            path = self.decode_path(query.device, meta)
+            q = query[meta.decode_token_idx]
+            o_lat = self._decode(path, self._absorb(q), kv_cache, meta, fmt)
+            out3[meta.decode_token_idx] = spec.projection.project_output(
+                o_lat.to(query.dtype)).to(output.dtype)
+            paths.append(path)
+        if meta.num_prefill_tokens:
+            q = query[meta.prefill_token_idx]
+            o = mla_prefill_torch(q, kv_cache, meta.block_table, meta.prefill_groups, fmt,
+                                  spec.projection.w_uk, spec.projection.w_uv, scale=spec.scale,
+                                  chunk_tokens=meta.prefill_chunk_tokens)
+            out3[meta.prefill_token_idx] = o.to(output.dtype)
+            paths.append("torch-prefill")
+        self.last_path = "+".join(paths) if paths else None
+        return output
+
+    def _absorb(self, q: torch.Tensor) -> torch.Tensor:
+        """``[T, N, P + R]`` -> ``[T, N, L + R]``: ``[q_nope @ W_UK, q_pe]``."""
+        p = self.mla.qk_nope_head_dim
+        ql_nope = self.mla.projection.absorb_query(q[..., :p])
+        return torch.cat([ql_nope, q[..., p:]], dim=-1)
+
+    def _decode(self, path: ComputePath, q_lat: torch.Tensor, kv_cache: torch.Tensor,
+                meta: MLAMetadata, fmt: LatentFormat) -> torch.Tensor:
+        """``q_lat`` ``[Td, N, L + R]`` -> ``[Td, N, L]`` on ``path``."""
+        scale = self.mla.scale
+        if path == "torch":
+            return mla_decode_torch(q_lat, kv_cache, meta.block_table, meta.decode_groups, fmt,
+                                    scale=scale)
+        if path == "triton":
+            from vllm.attention.ops.triton_mla import mla_decode_triton
+
+            return mla_decode_triton(
+                q_lat, kv_cache, meta.block_table, meta.token_req[meta.decode_token_idx],
+                meta.token_pos[meta.decode_token_idx], fmt, scale=scale,
+                max_seq_len=meta.max_decode_seq_len,
+            )
+        v = self.vendor
+        if v is None or path != v.name:
+            raise InvalidArgumentError(
+                "force_path", path,
+                "'torch', 'triton'" + (f" or {v.name!r}" if v is not None else ""),
+            )
+        seq_lens = meta.seq_lens[meta.decode_req_ids]
+        block_table = meta.block_table[meta.decode_req_ids]
+        return v.decode(q_lat, kv_cache, block_table, seq_lens, meta.max_decode_seq_len,
+                        self.mla, fmt)
+
+    def _forward_sparse(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: MLAMetadata,
+                        fmt: LatentFormat, out3: torch.Tensor) -> None:
+        topk = meta.topk_indices if isinstance(meta, MLASparseMetadata) else None
+        t = meta.num_actual_tokens
+        if topk is None:
+            raise InvalidArgumentError(
+                "attn_metadata.topk_indices", None,
+                "[num_tokens, topk] int32 from the indexer (MLASparseMetadata.with_topk_indices)",
+            )
+        if t == 0:
+            self.last_path = None
+            return
+        q_lat = self._absorb(query[:t])
+        path = self.force_path or portable_path(query.device)
+        if path == "triton":
+            from vllm.attention.ops.triton_mla import mla_sparse_triton
+
+            o_lat = mla_sparse_triton(q_lat, kv_cache, topk[:t], meta.token_req, meta.token_pos,
+                                      meta.block_table, fmt, scale=self.mla.scale)
+        elif path == "torch":
+            o_lat = mla_sparse_torch(q_lat, kv_cache, topk[:t], meta.token_req, meta.token_pos,
+                                     meta.block_table, fmt, scale=self.mla.scale)
+        else:
+            raise InvalidArgumentError("force_path", path, "'torch' or 'triton' for sparse MLA")
+        out3[:t] = self.mla.projection.project_output(o_lat.to(query.dtype)).to(out3.dtype)
+        self.last_path = path
+
+    # -- checks and formats ---------------------------------------------------------------
+    def latent_format(self, layer: AttentionLayerProtocol,
+                      model_dtype: torch.dtype) -> LatentFormat:
+        """How ``layer``'s cache rows decode (format, dims, scale, rope bytes' dtype)."""
+        quant = layer.kv_quant
+        return LatentFormat(
+            cache_dtype=quant.kv_cache_dtype, kv_lora_rank=self.mla.kv_lora_rank,
+            rope_dim=self.mla.qk_rope_head_dim, k_scale=quant.k_scale,
+            rope_dtype=torch.float16 if model_dtype == torch.float16 else torch.bfloat16,
+        )
+
+    def _check_inputs(self, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
+                      t: int) -> None:
+        spec = self.mla
+        want_q = (spec.num_heads, spec.qk_head_dim)
+        if query.dim() != 3 or tuple(query.shape[1:]) != want_q or query.shape[0] < t:
+            raise InvalidArgumentError("query.shape", tuple(query.shape),
+                                       f"[>= {t}, N={want_q[0]}, P + R={want_q[1]}]")
+        width = spec.num_heads * spec.v_head_dim
+        if output.dim() < 2 or output.shape[0] < t or math.prod(output.shape[1:]) != width:
+            raise InvalidArgumentError("output.shape", tuple(output.shape),
+                                       f"[>= {t}, N * V = {width}] or [>= {t}, N, V]")
+        entry = (FP8_DS_MLA_ENTRY_BYTES if spec.kv_cache_dtype == "fp8_ds_mla"
+                 else spec.head_size)
+        if kv_cache.dim() != 3 or kv_cache.shape[2] != entry:
+            raise InvalidArgumentError("kv_cache.shape", tuple(kv_cache.shape),
+                                       f"(num_blocks, block_size, {entry})")
+        if kv_cache.device != query.device:
+            raise InvalidArgumentError("kv_cache.device", str(kv_cache.device),
+                                       f"{query.device} (the query's)")
+
+
+# -- the backend declarations -------------------------------------------------------------
+class MLABackend(AttentionBackend[MM]):
+    """Declarations every MLA backend shares; subclasses set the capability data,
+    ``get_impl_cls`` (whose ``vendor`` names the kernel package) and the builder."""
+
+    is_mla: ClassVar[bool] = True
+    kv_cache_layout: ClassVar[KVCacheLayout] = KVCacheLayout.MLA_LATENT
+    supported_dtypes: ClassVar[frozenset[torch.dtype]] = HALF_DTYPES
+    head_sizes: ClassVar[SizeSpec] = exactly(DEEPSEEK_HEAD_SIZE)
+    block_sizes: ClassVar[SizeSpec] = multiple_of(16)
+    supports_sliding_window: ClassVar[bool] = False
+    supports_logits_soft_cap: ClassVar[bool] = False
+    tolerances: ClassVar[dict[torch.dtype, float]] = {
+        torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2,
+    }
+    """Relative Frobenius error against the float64 expanded reference, by model dtype."""
+
+    @classmethod
+    @abc.abstractmethod
+    def get_impl_cls(cls) -> type[MLACommonImpl[MM]]: ...
+
+    @classmethod
+    def kv_cache_layout_for(cls, cache_dtype: KVCacheDType = "auto") -> KVCacheLayout:
+        """``MLA_FP8_DS`` (``(nb, bs, 656)`` uint8) for ``fp8_ds_mla``, else ``MLA_LATENT``."""
+        return KVCacheLayout.MLA_FP8_DS if cache_dtype == "fp8_ds_mla" else KVCacheLayout.MLA_LATENT
+
+    @classmethod
+    def get_kv_cache_writer(
+        cls, cache_dtype: KVCacheDType = "auto"
+    ) -> KVCacheWriter | MLAKVCacheWriter:
+        """The latent writer (``auto`` / fp8) or the 656-byte ``fp8_ds_mla`` writer."""
+        if cache_dtype not in cls.supported_kv_cache_dtypes:
+            raise InvalidArgumentError(
+                "cache_dtype", cache_dtype,
+                f"one of {', '.join(sorted(cls.supported_kv_cache_dtypes))} for {cls.name}",
+            )
+        if cache_dtype == "fp8_ds_mla":
+            from vllm.attention.writers.fp8_ds_mla import FP8DsMLACacheWriter
+
+            return FP8DsMLACacheWriter()
+        from vllm.attention.writers.mla import MLALatentCacheWriter
+
+        return MLALatentCacheWriter(
+            tuple(sorted(c for c in cls.supported_kv_cache_dtypes if c != "fp8_ds_mla")))
+
+    # -- compute path -----------------------------------------------------------------
+    @classmethod
+    def compute_path(cls, device: torch.device, cache_dtype: KVCacheDType = "auto") -> ComputePath:
+        """The decode path that runs on ``device`` for ``cache_dtype`` (prefill is torch)."""
+        v = cls.get_impl_cls().vendor
+        if v is not None and not v.unavailable_reasons(device, cache_dtype):
+            return v.name
+        return portable_path(device)
+
+    @classmethod
+    def compute_path_notes(cls, device: torch.device) -> list[str]:
+        notes: list[str] = []
+        v = cls.get_impl_cls().vendor
+        if v is not None:
+            notes.extend(f"{v.name} not used: {r}" for r in v.unavailable_reasons(device, "auto"))
+            notes.extend(f"{v.name} also needs: {r}" for r in v.requirements())
+        elif cls.is_sparse:
+            notes.append("no vendor sparse kernel wired: flash_mla's sparse API takes global "
+                         "slot indices and changed across versions; Triton / torch sparse runs")
+        if device.type == "cuda" and not _triton_available():
+            notes.append("triton not importable: decode falls back to torch")
+        if device.type != "cuda":
+            notes.append(f"device {device.type}: the Triton decode kernel needs CUDA; torch runs")
+        return notes
+
+
