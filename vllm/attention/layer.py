@@ -257,10 +257,29 @@ class MLAAttention(_LayerBase):
         q: torch.Tensor,
         kv_c_normed: torch.Tensor,
         k_pe: torch.Tensor,
-        output: torch.Tensor,
+        output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``q`` ``[T, num_heads, qk_head_dim]``; ``output`` ``[T, num_heads * v_head_dim]``."""
+        """Write this step's latent rows, then attend.
+
+        Args:
+            q: ``[T, num_heads, qk_nope_head_dim + qk_rope_head_dim]`` (or flattened).
+            kv_c_normed: ``[T, kv_lora_rank]``; k_pe: ``[T, rope_dim]`` (or ``[T, 1, R]``).
+            output: ``[T, num_heads * v_head_dim]``, allocated when None.
+        Returns:
+            ``output``.
+        """
+        from vllm.attention.backends.mla.common import MLALayerSpec
+
+        spec = self.spec
+        if not isinstance(spec, MLALayerSpec):
+            raise InvalidTypeError("spec", type(spec).__name__, "an MLALayerSpec")
         ctx, meta = self._context_and_metadata()
+        if q.dim() == 2:
+            q = q.view(q.shape[0], spec.num_heads, spec.qk_head_dim)
         if self.writes_kv_cache:
             self.write_latent(kv_c_normed, k_pe, ctx)
-        return self.impl.forward(self, q, kv_c_normed, k_pe, self.kv_cache, meta, output)
+        out = output
+        if out is None:
+            out = torch.empty(q.shape[0], spec.num_heads * spec.v_head_dim, dtype=q.dtype,
+                              device=q.device)
+        return self.impl.forward(self, q, kv_c_normed, k_pe, self.kv_cache, meta, out)
