@@ -1,7 +1,8 @@
 """Reference quantisation shared by every writer and every compute path's dequant.
 
 fp8: ``stored = to_fp8(clamp(float32(x) / scale, -fp8_max, fp8_max))``, round to
-nearest even, NaN stays NaN. The Triton kernels reproduce this bit for bit.
+nearest even, NaN stays NaN (always stored as the byte ``0x7F``, whatever the
+input NaN's sign or payload). The Triton kernels reproduce this bit for bit.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from typing import Final
 import torch
 
 from vllm.attention.types import KVCacheDType
+
+FP8_NAN_BYTE: Final = 0x7F
+"""The one NaN every writer stores, in E4M3 and E5M2 alike (positive, all bits set)."""
 
 FP8_DTYPES: Final[dict[str, torch.dtype]] = {
     "fp8": torch.float8_e4m3fn,
@@ -32,10 +36,25 @@ def head_scale(scale: torch.Tensor) -> torch.Tensor:
     return scale.view(1, -1, 1)
 
 
+def to_fp8(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``y`` to ``dtype`` (E4M3 / E5M2), saturating, round to nearest even,
+    NaN stored as :data:`FP8_NAN_BYTE`."""
+    m = fp8_max(dtype)
+    q = y.clamp(-m, m).to(dtype).view(torch.uint8)
+    # torch keeps the NaN's sign bit (0xFF); one canonical byte keeps reference
+    # and kernels byte-identical. (uint8 because not every device op takes fp8.)
+    return q.masked_fill(y.isnan(), FP8_NAN_BYTE).view(dtype)
+
+
+def canonical_nan(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` with every NaN replaced by the positive quiet NaN ``0x7FC00000``
+    (torch reductions may produce other NaN bit patterns; stored scales must not)."""
+    return x.masked_fill(x.isnan(), float("nan"))
+
+
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x``: ``[T, H, D]`` any float dtype; ``scale``: ``[1]`` or ``[H]`` float32."""
-    m = fp8_max(dtype)
-    return (x.to(torch.float32) / head_scale(scale)).clamp(-m, m).to(dtype)
+    return to_fp8(x.to(torch.float32) / head_scale(scale), dtype)
 
 
 def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -3,6 +3,7 @@
 All four are a K view and a V view ``[nb, bs, H, D]`` of one tensor with some
 stride order (``vllm.attention.layouts.split_kv_views``); the writer addresses
 through those views' strides, so a view of a larger hybrid buffer works too.
+DiffKV and the MLA latent reuse :func:`write_kv_views` with their own views.
 """
 
 from __future__ import annotations
@@ -11,19 +12,35 @@ from typing import Final
 
 import torch
 
+from vllm.attention.errors import KVCacheWriteError
 from vllm.attention.layouts import split_kv_views
+from vllm.attention.ops.triton_writers import ScatterTarget, scatter_kv
 from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
+from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
 from vllm.attention.writers.quant import store_values
-from vllm.attention.writers.validation import (
-    check_cache_dtype,
-    check_quant,
-    check_rows,
-    check_same_device,
-    check_slot_mapping,
-    check_tensor,
-)
+from vllm.attention.writers.validation import check_kv_inputs, check_tensor
 
 SPLIT_CACHE_DTYPES: Final[tuple[KVCacheDType, ...]] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+SPLIT_LAYOUTS: Final[tuple[KVCacheLayout, ...]] = (
+    KVCacheLayout.SPLIT_NHD,
+    KVCacheLayout.SPLIT_HND,
+    KVCacheLayout.SPLIT_KV_FIRST,
+    KVCacheLayout.SPLIT_BLOCK_INTERLEAVED,
+)
+_SCATTER_MODE: Final[dict[str, int]] = {"auto": 0, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 2}
+
+
+def scatter_mode(cache_dtype: KVCacheDType) -> int:
+    """The scatter kernel's MODE constant: 0 copy, 1 E4M3, 2 E5M2."""
+    return _SCATTER_MODE[cache_dtype]
+
+
+def kept_slots(slot_mapping: torch.Tensor, block_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(keep, blocks, offsets)``: the mask of non-negative slots and their block/offset."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    return keep, slots // block_size, slots % block_size
 
 
 def reference_split_write(
@@ -39,31 +56,32 @@ def reference_split_write(
     ``k_view``/``v_view``: ``[nb, bs, H, D]`` views (any strides) of the cache.
     """
     n = slot_mapping.shape[0]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    bs = k_view.shape[1]
-    blocks, offsets = slots // bs, slots % bs
+    keep, blocks, offsets = kept_slots(slot_mapping, k_view.shape[1])
     dt = quant.kv_cache_dtype
     k_view[blocks, offsets] = store_values(key[:n][keep], dt, quant.k_scale, k_view.dtype)
     v_view[blocks, offsets] = store_values(value[:n][keep], dt, quant.v_scale, v_view.dtype)
 
 
-class SplitKVCacheWriter:
+class SplitKVCacheWriter(WriterBase):
     """:class:`~vllm.attention.KVCacheWriter` for a split K/V layout."""
 
     def __init__(self, layout: KVCacheLayout,
                  cache_dtypes: tuple[KVCacheDType, ...] = SPLIT_CACHE_DTYPES) -> None:
+        if layout not in SPLIT_LAYOUTS:
+            raise KVCacheWriteError("layout", layout.value,
+                                    f"one of {', '.join(x.value for x in SPLIT_LAYOUTS)}")
         self.layout = layout
         self.cache_dtypes = cache_dtypes
 
-    def __repr__(self) -> str:
-        return f"SplitKVCacheWriter({self.layout.value})"
-
     def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-              slot_mapping: torch.Tensor, quant: KVQuant) -> None:
+              slot_mapping: torch.Tensor, quant: KVQuant, *,
+              path: WritePath | None = None) -> None:
+        """See :class:`~vllm.attention.KVCacheWriter`; ``kv_cache`` in the layout's
+        logical shape (``(nb, 2, bs, H, D)`` or ``(2, nb, bs, H, D)``), any strides."""
         cache = check_tensor("kv_cache", kv_cache)
         k_view, v_view = split_kv_views(cache, self.layout)
-        write_kv_views(key, value, k_view, v_view, slot_mapping, quant, self.cache_dtypes)
+        write_kv_views(key, value, k_view, v_view, slot_mapping, quant, self.cache_dtypes,
+                       path=path)
 
 
 def validate_kv_views(
@@ -76,18 +94,19 @@ def validate_kv_views(
     cache_dtypes: tuple[KVCacheDType, ...] = SPLIT_CACHE_DTYPES,
 ) -> None:
     """Check every argument of a split write. Writes nothing."""
-    slots = check_slot_mapping(slot_mapping, k_view.device)
-    n = slots.shape[0]
+    check_tensor("k_view", k_view)
+    check_tensor("v_view", v_view)
+    if k_view.dim() != 4 or v_view.dim() != 4 or k_view.shape[:3] != v_view.shape[:3]:
+        raise KVCacheWriteError(
+            "kv_cache views", (tuple(k_view.shape), tuple(v_view.shape)),
+            "K and V views [num_blocks, block_size, num_kv_heads, head_size(_v)]",
+        )
+    if v_view.dtype != k_view.dtype or v_view.device != k_view.device:
+        raise KVCacheWriteError("value_cache", f"{v_view.dtype} on {v_view.device}",
+                                f"{k_view.dtype} on {k_view.device} (key_cache's)")
     _, _, h, d = k_view.shape
-    k = check_rows("key", key, num_tokens=n, tail=(h, d), tail_desc="num_kv_heads, head_size")
-    v = check_rows("value", value, num_tokens=n, tail=tuple(v_view.shape[2:]),
-                   tail_desc="num_kv_heads, head_size_v")
-    if v.dtype != k.dtype:
-        raise_dtype_mismatch(k.dtype, v.dtype)
-    check_same_device("key", k, k_view.device)
-    check_same_device("value", v, k_view.device)
-    q = check_quant(quant, num_kv_heads=h, device=k_view.device, allowed=cache_dtypes)
-    check_cache_dtype(k_view, q.kv_cache_dtype, k.dtype)
+    check_kv_inputs(key, value, slot_mapping, quant, cache=k_view, num_kv_heads=h,
+                    head_size=d, head_size_v=v_view.shape[3], cache_dtypes=cache_dtypes)
 
 
 def write_kv_views(
@@ -98,13 +117,28 @@ def write_kv_views(
     slot_mapping: torch.Tensor,
     quant: KVQuant,
     cache_dtypes: tuple[KVCacheDType, ...] = SPLIT_CACHE_DTYPES,
+    *,
+    path: WritePath | None = None,
 ) -> None:
     """Validate, then write into ``[nb, bs, H, D]`` K and V views (any strides)."""
     validate_kv_views(key, value, k_view, v_view, slot_mapping, quant, cache_dtypes)
-    reference_split_write(key, value, k_view, v_view, slot_mapping, quant)
+    scatter_kv_views(key, value, k_view, v_view, slot_mapping, quant, path=path)
 
 
-def raise_dtype_mismatch(key_dtype: torch.dtype, value_dtype: torch.dtype) -> None:
-    from vllm.attention.errors import KVCacheWriteError
-
-    raise KVCacheWriteError("value.dtype", value_dtype, f"{key_dtype} (key's dtype)")
+def scatter_kv_views(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_view: torch.Tensor,
+    v_view: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    quant: KVQuant,
+    *,
+    path: WritePath | None = None,
+) -> None:
+    """:func:`write_kv_views` without the checks, for writers that ran their own."""
+    if resolve_path(k_view.device, path) == "triton":
+        scatter_kv(key, value, ScatterTarget.token_major(k_view),
+                   ScatterTarget.token_major(v_view), slot_mapping,
+                   scatter_mode(quant.kv_cache_dtype), quant.k_scale, quant.v_scale)
+    else:
+        reference_split_write(key, value, k_view, v_view, slot_mapping, quant)

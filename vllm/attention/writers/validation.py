@@ -95,6 +95,34 @@ def check_cache_dtype(kv_cache: torch.Tensor, cache_dtype: KVCacheDType,
         )
 
 
+def check_kv_inputs(
+    key: object,
+    value: object,
+    slot_mapping: object,
+    quant: object,
+    *,
+    cache: torch.Tensor,
+    num_kv_heads: int,
+    head_size: int,
+    head_size_v: int,
+    cache_dtypes: tuple[KVCacheDType, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVQuant]:
+    """The cheap checks of a K/V write into ``cache``; returns key, value, slots, quant."""
+    slots = check_slot_mapping(slot_mapping, cache.device)
+    n = slots.shape[0]
+    k = check_rows("key", key, num_tokens=n, tail=(num_kv_heads, head_size),
+                   tail_desc="num_kv_heads, head_size")
+    v = check_rows("value", value, num_tokens=n, tail=(num_kv_heads, head_size_v),
+                   tail_desc="num_kv_heads, head_size_v")
+    if v.dtype != k.dtype:
+        raise KVCacheWriteError("value.dtype", v.dtype, f"{k.dtype} (key's dtype)")
+    check_same_device("key", k, cache.device)
+    check_same_device("value", v, cache.device)
+    q = check_quant(quant, num_kv_heads=num_kv_heads, device=cache.device, allowed=cache_dtypes)
+    check_cache_dtype(cache, q.kv_cache_dtype, k.dtype)
+    return k, v, slots, q
+
+
 def check_slots_in_range(slot_mapping: torch.Tensor, num_slots: int) -> None:
     """Checked mode: every non-negative slot is below ``num_slots`` and none repeats."""
     if slot_mapping.numel() == 0:

@@ -1,0 +1,272 @@
+"""Triton kernels of the KV-cache writers. Import through ``triton_writers`` only.
+
+Bit-exactness with the torch reference (``vllm.attention.writers``) rests on:
+
+* inputs arrive as their raw bits (int32 for fp32, int16 for fp16/bf16) and are
+  widened to float32 exactly (bf16 by a 16-bit shift);
+* float32 division is ``tl.div_rn`` (IEEE round to nearest even);
+* clamps keep NaN explicitly (``tl.minimum``/``tl.maximum`` may drop it);
+* float32 -> fp8 and float32 -> bf16 rounding is done with integer operations
+  (round to nearest even, NaN to one canonical byte pattern). Hardware ``cvt``
+  and Triton's CPU interpreter disagree on some inputs (the interpreter does not
+  round to nearest even), so the kernels do not rely on either: the same integer
+  code gives the same bytes on every GPU architecture and under the interpreter.
+
+Offsets that multiply a slot or a token index are int64 (caches can exceed 2**31
+elements). Layout diagrams: ``docs/layouts.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import triton
+import triton.language as tl
+
+jit: Callable[[Callable[..., Any]], Any] = triton.jit
+"""``triton.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``).
+Parameters are annotated ``tl.tensor`` for mypy: the compiler resolves annotations
+as globals (only ``tl`` names are allowed) and ignores this one."""
+
+
+@jit
+def _load_f32(ptrs: tl.tensor, mask: tl.tensor, IN_KIND: tl.constexpr) -> tl.tensor:
+    """Input bits to float32, exactly. IN_KIND: 0 fp32 (int32 bits), 1 fp16, 2 bf16 (int16 bits)."""
+    bits = tl.load(ptrs, mask=mask, other=0)
+    if IN_KIND == 0:
+        x = bits.to(tl.float32, bitcast=True)
+    elif IN_KIND == 1:
+        x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x
+
+
+@jit
+def _max(a: tl.tensor, b: tl.tensor) -> tl.tensor:
+    # Our own combine function: tl.max is itself a @jit function, fixed to compiled or
+    # interpreted when triton is first imported, which breaks the interpreted copy.
+    return tl.maximum(a, b)
+
+
+@jit
+def _clamp_keep_nan(y: tl.tensor, lo: tl.constexpr, hi: tl.constexpr) -> tl.tensor:
+    c = tl.minimum(tl.maximum(y, lo), hi)
+    return tl.where(y != y, y, c)
+
+
+@jit
+def _fp8_bits(y: tl.tensor, MANT: tl.constexpr, BIAS: tl.constexpr) -> tl.tensor:
+    """float32 (finite values already within the format's range, or NaN) to fp8 bits.
+
+    Round to nearest even; NaN becomes 0x7F. E4M3: MANT=3, BIAS=7; E5M2: MANT=2, BIAS=15.
+    """
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    e = (a >> 23).to(tl.int32)
+    # Normal results: drop 23 - MANT mantissa bits with round-half-even, rebias.
+    SHIFT: tl.constexpr = 23 - MANT
+    half: tl.constexpr = (1 << (SHIFT - 1)) - 1
+    normal = ((a + half + ((a >> SHIFT) & 1)) >> SHIFT) - ((127 - BIAS) << MANT)
+    # Subnormal results: the integer count of the smallest subnormal, 2**(1 - BIAS - MANT).
+    shift = tl.minimum(tl.maximum(151 - BIAS - MANT - e, 1), 31).to(tl.uint32)
+    m = (a & 0x7FFFFF) | 0x800000
+    sub = (m + ((1 << (shift - 1)) - 1) + ((m >> shift) & 1)) >> shift
+    sub = tl.where(e == 0, 0, sub)
+    q = tl.where(e >= 128 - BIAS, normal, sub) | sign
+    q = tl.where(y != y, 0x7F, q)
+    return q.to(tl.uint8)
+
+
+@jit
+def _bf16_bits(y: tl.tensor) -> tl.tensor:
+    """float32 to bf16 bits (in a uint32): round to nearest even, NaN becomes 0x7FC0."""
+    b = y.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return tl.where(y != y, 0x7FC0, r)
+
+
+@jit
+def _scatter_rows(
+    slot: tl.tensor, valid: tl.tensor, t: tl.tensor, pid_h: tl.tensor,
+    x_ptr: tl.tensor, x_st: tl.tensor, x_sh: tl.tensor, x_sd: tl.tensor,
+    c_ptr: tl.tensor, c_sb: tl.tensor, c_so_hi: tl.tensor, c_so_lo: tl.tensor, c_sh: tl.tensor,
+    c_sd_hi: tl.tensor, c_sd_lo: tl.tensor,
+    s_ptr: tl.tensor, s_sh: tl.tensor,
+    num_heads: tl.tensor, block_size: tl.tensor, head_size: tl.tensor,
+    IN_KIND: tl.constexpr, MODE: tl.constexpr, XO: tl.constexpr, XD: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+) -> None:
+    """Rows ``[BLOCK_H, D]`` of one token into one operand (K or V) of the cache."""
+    h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    hm = h < num_heads
+    mask = valid & hm[:, None] & (d < head_size)[None, :]
+    src = x_ptr + t * x_st + h[:, None] * x_sh + d[None, :] * x_sd
+    blk = slot // block_size
+    off = slot % block_size
+    base = blk * c_sb + (off // XO) * c_so_hi + (off % XO) * c_so_lo
+    dim_off = (d // XD) * c_sd_hi + (d % XD) * c_sd_lo
+    dst = c_ptr + base + h[:, None] * c_sh + dim_off[None, :]
+    if MODE == 0:
+        tl.store(dst, tl.load(src, mask=mask), mask=mask)
+    else:
+        x = _load_f32(src, mask, IN_KIND)
+        s = tl.load(s_ptr + h * s_sh, mask=hm, other=1.0)
+        y = tl.div_rn(x, s[:, None])
+        if MODE == 1:
+            q = _fp8_bits(_clamp_keep_nan(y, -448.0, 448.0), 3, 7)
+        else:
+            q = _fp8_bits(_clamp_keep_nan(y, -57344.0, 57344.0), 2, 15)
+        tl.store(dst, q, mask=mask)
+
+
+@jit
+def scatter_kv_kernel(
+    slot_ptr: tl.tensor, slot_st: tl.tensor,
+    k_ptr: tl.tensor, k_st: tl.tensor, k_sh: tl.tensor, k_sd: tl.tensor,
+    v_ptr: tl.tensor, v_st: tl.tensor, v_sh: tl.tensor, v_sd: tl.tensor,
+    kc_ptr: tl.tensor, kc_sb: tl.tensor, kc_so_hi: tl.tensor, kc_so_lo: tl.tensor, kc_sh: tl.tensor,
+    kc_sd_hi: tl.tensor, kc_sd_lo: tl.tensor,
+    vc_ptr: tl.tensor, vc_sb: tl.tensor, vc_so_hi: tl.tensor, vc_so_lo: tl.tensor, vc_sh: tl.tensor,
+    vc_sd_hi: tl.tensor, vc_sd_lo: tl.tensor,
+    ks_ptr: tl.tensor, ks_sh: tl.tensor, vs_ptr: tl.tensor, vs_sh: tl.tensor,
+    num_heads: tl.tensor, block_size: tl.tensor, head_size_k: tl.tensor, head_size_v: tl.tensor,
+    IN_KIND: tl.constexpr, MODE: tl.constexpr,
+    K_XO: tl.constexpr, K_XD: tl.constexpr, V_XO: tl.constexpr, V_XD: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+) -> None:
+    """One program per (token, group of BLOCK_H heads): K and V rows to their slot.
+
+    Element ``(slot, h, d)`` of an operand lives at ``blk*sb + (off//XO)*so_hi +
+    (off%XO)*so_lo + h*sh + (d//XD)*sd_hi + (d%XD)*sd_lo`` (``blk, off = divmod(slot,
+    block_size)``), which covers every split layout, the legacy paged and AITER
+    shuffled x-splits, DiffKV and the MLA latent. MODE: 0 copy bits (``auto``),
+    1 fp8 E4M3, 2 fp8 E5M2 (scale stride 0 for a ``[1]`` scale, 1 for ``[H]``).
+    """
+    t = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t * slot_st)
+    valid = slot >= 0
+    _scatter_rows(slot, valid, t, pid_h, k_ptr, k_st, k_sh, k_sd,
+                  kc_ptr, kc_sb, kc_so_hi, kc_so_lo, kc_sh, kc_sd_hi, kc_sd_lo,
+                  ks_ptr, ks_sh, num_heads, block_size, head_size_k,
+                  IN_KIND, MODE, K_XO, K_XD, BLOCK_H, BLOCK_DK)
+    _scatter_rows(slot, valid, t, pid_h, v_ptr, v_st, v_sh, v_sd,
+                  vc_ptr, vc_sb, vc_so_hi, vc_so_lo, vc_sh, vc_sd_hi, vc_sd_lo,
+                  vs_ptr, vs_sh, num_heads, block_size, head_size_v,
+                  IN_KIND, MODE, V_XO, V_XD, BLOCK_H, BLOCK_DV)
+
+
+@jit
+def _store_f32_bytes(ptrs0: tl.tensor, stride: tl.tensor, value: tl.tensor, mask: tl.tensor) -> None:
+    """The 4 little-endian bytes of float32 ``value`` [N] at ``ptrs0`` [N] + j * stride."""
+    j = tl.arange(0, 4)
+    bits = value.to(tl.uint32, bitcast=True)
+    b = ((bits[:, None] >> (j * 8).to(tl.uint32)[None, :]) & 0xFF).to(tl.uint8)
+    tl.store(ptrs0[:, None] + j[None, :] * stride, b, mask=mask[:, None])
+
+
+@jit
+def _per_token_head_rows(
+    slot: tl.tensor, valid: tl.tensor, t: tl.tensor, pid_h: tl.tensor,
+    x_ptr: tl.tensor, x_st: tl.tensor, x_sh: tl.tensor, x_sd: tl.tensor,
+    c_ptr: tl.tensor, c_sb: tl.tensor, c_so: tl.tensor, c_sh: tl.tensor, c_sj: tl.tensor,
+    num_heads: tl.tensor, block_size: tl.tensor, head_size: tl.tensor,
+    IN_KIND: tl.constexpr, INT8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+) -> None:
+    """Rows ``[BLOCK_H, D]`` as D quantised bytes then the row's float32 scale."""
+    h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    hm = h < num_heads
+    mask = valid & hm[:, None] & (d < head_size)[None, :]
+    x = _load_f32(x_ptr + t * x_st + h[:, None] * x_sh + d[None, :] * x_sd, mask, IN_KIND)
+    isnan = x != x
+    amax = tl.reduce(tl.where(isnan, 0.0, tl.abs(x)), 1, _max)
+    has_nan = tl.reduce(isnan.to(tl.int32), 1, _max) > 0
+    if INT8:
+        scale = tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+    else:
+        scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    scale = tl.where(has_nan, float("nan"), scale)  # a NaN poisons its row
+    divisor = tl.where(scale == 0.0, 1.0, scale)  # an all-zero row stores zeros
+    y = tl.div_rn(x, divisor[:, None])
+    if INT8:
+        c = _clamp_keep_nan(y, -127.0, 127.0)
+        c = tl.where(c != c, 0.0, c)  # NaN stores 0 (int8 has no NaN; the scale is NaN)
+        f = tl.floor(c)
+        frac = c - f
+        fi = f.to(tl.int32)
+        up = (frac > 0.5) | ((frac == 0.5) & ((fi & 1) == 1))
+        q = tl.where(up, fi + 1, fi).to(tl.int8).to(tl.uint8, bitcast=True)
+    else:
+        q = _fp8_bits(_clamp_keep_nan(y, -448.0, 448.0), 3, 7)
+    row = c_ptr + (slot // block_size) * c_sb + (slot % block_size) * c_so + h * c_sh
+    tl.store(row[:, None] + d[None, :] * c_sj, q, mask=mask)
+    _store_f32_bytes(row + head_size * c_sj, c_sj, scale, valid & hm)
+
+
+@jit
+def per_token_head_kernel(
+    slot_ptr: tl.tensor, slot_st: tl.tensor,
+    k_ptr: tl.tensor, k_st: tl.tensor, k_sh: tl.tensor, k_sd: tl.tensor,
+    v_ptr: tl.tensor, v_st: tl.tensor, v_sh: tl.tensor, v_sd: tl.tensor,
+    kc_ptr: tl.tensor, kc_sb: tl.tensor, kc_so: tl.tensor, kc_sh: tl.tensor, kc_sj: tl.tensor,
+    vc_ptr: tl.tensor, vc_sb: tl.tensor, vc_so: tl.tensor, vc_sh: tl.tensor, vc_sj: tl.tensor,
+    num_heads: tl.tensor, block_size: tl.tensor, head_size: tl.tensor,
+    IN_KIND: tl.constexpr, INT8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+) -> None:
+    """One program per (token, group of heads); the cache operands are uint8
+    ``[nb, bs, H, D + 4]`` views addressed in bytes."""
+    t = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t * slot_st)
+    valid = slot >= 0
+    _per_token_head_rows(slot, valid, t, pid_h, k_ptr, k_st, k_sh, k_sd,
+                         kc_ptr, kc_sb, kc_so, kc_sh, kc_sj, num_heads, block_size, head_size,
+                         IN_KIND, INT8, BLOCK_H, BLOCK_D)
+    _per_token_head_rows(slot, valid, t, pid_h, v_ptr, v_st, v_sh, v_sd,
+                         vc_ptr, vc_sb, vc_so, vc_sh, vc_sj, num_heads, block_size, head_size,
+                         IN_KIND, INT8, BLOCK_H, BLOCK_D)
+
+
+@jit
+def fp8_ds_mla_kernel(
+    slot_ptr: tl.tensor, slot_st: tl.tensor,
+    kv_ptr: tl.tensor, kv_st: tl.tensor, kv_sd: tl.tensor,
+    pe_ptr: tl.tensor, pe_st: tl.tensor, pe_sd: tl.tensor,
+    c_ptr: tl.tensor, c_sb: tl.tensor, c_so: tl.tensor, c_sj: tl.tensor,
+    block_size: tl.tensor,
+    IN_KIND: tl.constexpr,
+) -> None:
+    """One program per token: the 656-byte entry (512 E4M3, 4 float32 tile scales,
+    64 16-bit rope values; fp32 rope is rounded to bf16)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t * slot_st)
+    valid = slot >= 0
+    tile = tl.arange(0, 4)
+    j = tile[:, None] * 128 + tl.arange(0, 128)[None, :]  # [4, 128] latent index
+    full = valid & (j >= 0)
+    x = _load_f32(kv_ptr + t * kv_st + j * kv_sd, full, IN_KIND)
+    isnan = x != x
+    amax = tl.reduce(tl.where(isnan, 0.0, tl.abs(x)), 1, _max)
+    has_nan = tl.reduce(isnan.to(tl.int32), 1, _max) > 0
+    scale = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
+                       1.1754943508222875e-38)  # FLT_MIN
+    scale = tl.where(has_nan, float("nan"), scale)
+    q = _fp8_bits(_clamp_keep_nan(tl.div_rn(x, scale[:, None]), -448.0, 448.0), 3, 7)
+    entry = c_ptr + (slot // block_size) * c_sb + (slot % block_size) * c_so
+    tl.store(entry + j * c_sj, q, mask=full)
+    _store_f32_bytes(entry + (512 + tile * 4) * c_sj, c_sj, scale, valid & (tile >= 0))
+    r = tl.arange(0, 64)
+    pe = pe_ptr + t * pe_st + r * pe_sd
+    rmask = valid & (r >= 0)
+    if IN_KIND == 0:
+        bits = _bf16_bits(_load_f32(pe, rmask, IN_KIND))
+    else:
+        bits = tl.load(pe, mask=rmask, other=0).to(tl.int32) & 0xFFFF
+    k = tl.arange(0, 2)
+    b = ((bits[:, None] >> (k * 8)[None, :]) & 0xFF).to(tl.uint8)
+    tl.store(entry + (528 + r[:, None] * 2 + k[None, :]) * c_sj, b, mask=rmask[:, None])

@@ -1,0 +1,240 @@
+"""Launchers of the Triton cache-writer kernels (``triton_writer_kernels``).
+
+Triton is imported lazily: importing this module never imports it. CUDA tensors
+run the compiled kernels; CPU tensors run the same kernels under Triton's
+interpreter (``TRITON_INTERPRET=1`` semantics, loaded as a separate module copy),
+which is how the kernels are tested without a GPU.
+
+The writers validate every argument before calling in here; these functions only
+translate tensors into pointers, strides and launch constants.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Final
+
+import torch
+
+_KERNELS: Final = "vllm.attention.ops.triton_writer_kernels"
+_KERNELS_INTERPRETED: Final = "vllm.attention.ops._triton_writer_kernels_interpreted"
+
+_IN_KIND: Final[dict[torch.dtype, int]] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_BITS: Final[dict[int, torch.dtype]] = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_MAX_TILE: Final = 4096
+"""Elements per program (heads x head size); larger tiles only add registers."""
+
+
+@functools.cache
+def triton_importable() -> bool:
+    """True when ``import triton`` succeeds here."""
+    try:
+        importlib.import_module("triton")
+    except Exception:  # a broken install is as good as none
+        return False
+    return True
+
+
+@functools.cache
+def load_kernels(interpret: bool) -> ModuleType:
+    """The kernel module, compiled (``interpret=False``) or for the CPU interpreter.
+
+    Triton decides between the two when ``@triton.jit`` runs, from
+    ``TRITON_INTERPRET``, so the interpreted copy is a second import of the same
+    file with that variable set for the duration of the import.
+    """
+    if not interpret:
+        return importlib.import_module(_KERNELS)
+    if _KERNELS_INTERPRETED in sys.modules:
+        return sys.modules[_KERNELS_INTERPRETED]
+    source = importlib.util.find_spec(_KERNELS)
+    if source is None or source.origin is None:
+        raise ImportError(f"cannot locate {_KERNELS}")
+    spec = importlib.util.spec_from_file_location(_KERNELS_INTERPRETED, source.origin)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {source.origin}")
+    module = importlib.util.module_from_spec(spec)
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        sys.modules[_KERNELS_INTERPRETED] = module
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(_KERNELS_INTERPRETED, None)
+        raise
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    return module
+
+
+def _kernels_for(t: torch.Tensor) -> ModuleType:
+    return load_kernels(interpret=t.device.type != "cuda")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as same-size integers (strides unchanged)."""
+    return t.view(_BITS[t.element_size()])
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class ScatterTarget:
+    """Where element ``(slot, head, dim)`` of one operand (K or V) is stored.
+
+    With ``blk, off = divmod(slot, block_size)`` the element index (relative to
+    ``tensor.data_ptr()``, in elements of ``tensor``) is::
+
+        blk * stride_block + (off // off_split) * stride_off_hi + (off % off_split) * stride_off_lo
+        + head * stride_head + (dim // dim_split) * stride_dim_hi + (dim % dim_split) * stride_dim_lo
+
+    ``tensor``: the cache view whose first element is ``(0, 0, 0)``; fp8 caches are
+    passed as themselves and written as bytes.
+    """
+
+    tensor: torch.Tensor
+    block_size: int
+    num_heads: int
+    head_size: int
+    stride_block: int
+    stride_head: int
+    stride_off_hi: int
+    stride_dim_hi: int
+    stride_off_lo: int = 0
+    off_split: int = 1
+    stride_dim_lo: int = 0
+    dim_split: int = 1
+
+    @classmethod
+    def token_major(cls, view: torch.Tensor) -> ScatterTarget:
+        """From a ``[nb, bs, H, D]`` view with any strides."""
+        _, bs, h, d = view.shape
+        sb, so, sh, sd = view.stride()
+        return cls(view, bs, h, d, sb, sh, so, sd)
+
+    @classmethod
+    def x_split_key(cls, k5: torch.Tensor) -> ScatterTarget:
+        """From a legacy / AITER K view ``[nb, H, D/x, bs, x]``."""
+        _, h, dx, bs, x = k5.shape
+        sb, sh, sdx, so, sx = k5.stride()
+        return cls(k5, bs, h, dx * x, sb, sh, so, sdx, stride_dim_lo=sx, dim_split=x)
+
+    @classmethod
+    def head_major_value(cls, v4: torch.Tensor) -> ScatterTarget:
+        """From a legacy V view ``[nb, H, D, bs]``."""
+        _, h, d, bs = v4.shape
+        sb, sh, sd, so = v4.stride()
+        return cls(v4, bs, h, d, sb, sh, so, sd)
+
+    @classmethod
+    def x_split_value(cls, v5: torch.Tensor) -> ScatterTarget:
+        """From an AITER V view ``[nb, H, bs/x, D, x]``."""
+        _, h, bx, d, x = v5.shape
+        sb, sh, sbx, sd, sx = v5.stride()
+        return cls(v5, bx * x, h, d, sb, sh, sbx, sd, stride_off_lo=sx, off_split=x)
+
+    def args(self) -> tuple[torch.Tensor | int, ...]:
+        return (_bits(self.tensor), self.stride_block, self.stride_off_hi, self.stride_off_lo,
+                self.stride_head, self.stride_dim_hi, self.stride_dim_lo)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """``[T, H, D]`` input as bits and its three strides."""
+    st, sh, sd = x.stride()
+    return _bits(x), st, sh, sd
+
+
+def scatter_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_target: ScatterTarget,
+    v_target: ScatterTarget,
+    slot_mapping: torch.Tensor,
+    mode: int,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[>= T, H, D]`` rows of the ``T = slot_mapping.shape[0]``
+    tokens through the targets. ``mode``: 0 copy (``auto``), 1 E4M3, 2 E5M2;
+    scales float32 ``[1]`` or ``[H]`` (ignored for mode 0)."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    h = k_target.num_heads
+    dk, dv = k_target.head_size, v_target.head_size
+    block_dk, block_dv = _pow2(dk), _pow2(dv)
+    block_h = min(_pow2(h), max(1, _MAX_TILE // max(block_dk, block_dv)))
+    grid = (n, -(-h // block_h))
+    kernels = _kernels_for(slot_mapping)
+    kernels.scatter_kv_kernel[grid](
+        slot_mapping, slot_mapping.stride(0),
+        *_rows(key), *_rows(value),
+        *k_target.args(), *v_target.args(),
+        k_scale, 0 if k_scale.numel() == 1 else k_scale.stride(0),
+        v_scale, 0 if v_scale.numel() == 1 else v_scale.stride(0),
+        h, k_target.block_size, dk, dv,
+        IN_KIND=_IN_KIND[key.dtype], MODE=mode,
+        K_XO=k_target.off_split, K_XD=k_target.dim_split,
+        V_XO=v_target.off_split, V_XD=v_target.dim_split,
+        BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+    )
+
+
+def per_token_head(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_view: torch.Tensor,
+    v_view: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    int8: bool,
+) -> None:
+    """Quantise rows per (token, head) into uint8 ``[nb, bs, H, D + 4]`` views."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    _, bs, h, d4 = k_view.shape
+    d = d4 - 4
+    block_d = _pow2(d)
+    block_h = min(_pow2(h), max(1, _MAX_TILE // block_d))
+    grid = (n, -(-h // block_h))
+    kernels = _kernels_for(slot_mapping)
+    kernels.per_token_head_kernel[grid](
+        slot_mapping, slot_mapping.stride(0),
+        *_rows(key), *_rows(value),
+        k_view, *k_view.stride(), v_view, *v_view.stride(),
+        h, bs, d,
+        IN_KIND=_IN_KIND[key.dtype], INT8=int8, BLOCK_H=block_h, BLOCK_D=block_d,
+    )
+
+
+def fp8_ds_mla(
+    kv_c_normed: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write 656-byte entries: ``kv_c_normed`` ``[>= T, 512]``, ``k_pe`` ``[>= T, 64]``,
+    ``kv_cache`` uint8 ``(nb, bs, 656)``."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    kernels = _kernels_for(slot_mapping)
+    kernels.fp8_ds_mla_kernel[(n,)](
+        slot_mapping, slot_mapping.stride(0),
+        _bits(kv_c_normed), *kv_c_normed.stride(),
+        _bits(k_pe), *k_pe.stride(),
+        kv_cache, *kv_cache.stride(),
+        kv_cache.shape[1],
+        IN_KIND=_IN_KIND[kv_c_normed.dtype],
+    )
