@@ -1,0 +1,184 @@
+"""Which backend serves, with which block size and dtype, and what it costs in
+deprecations.
+
+A named backend (registry name or ``module:Class``) that cannot serve the model
+is an error naming its reasons; with no name, the first registered backend
+(priority order) that can serve wins, and TORCH_REF when none can. Adapted
+legacy backends warn once at start (never per step or layer); with
+``strict=True`` they are refused.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from vllm.attention.backend import AttentionBackend, dtype_name
+from vllm.attention.errors import (
+    AttentionError,
+    InvalidArgumentError,
+    NoBackendError,
+    PluginLoadError,
+    UnsupportedBackendError,
+)
+from vllm.attention.registry import get_backend, list_backends
+from vllm.runner.config import ModelConfig
+
+AnyBackend = type[AttentionBackend[Any]]
+DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
+
+
+class LegacyBackendRefusedError(AttentionError, RuntimeError):
+    """``--strict-backends`` refused an adapted legacy backend."""
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    backend: AnyBackend
+    block_size: int
+    dtype: torch.dtype
+    deprecations: list[str] = field(default_factory=list)
+    """One line per adapted legacy backend in use (for the run's closing report)."""
+    note: str | None = None
+
+
+def pick_block_size(backend: AnyBackend) -> int:
+    """16 when the backend takes it, else its smallest declared size >= 16, else its largest."""
+    sizes = backend.block_sizes.examples()
+    if not sizes:
+        raise UnsupportedBackendError(
+            f"{backend.name} declares no usable block size ({backend.block_sizes.describe()})")
+    if 16 in sizes:
+        return 16
+    at_least = [s for s in sizes if s >= 16]
+    return min(at_least) if at_least else max(sizes)
+
+
+def resolve_dtype(choice: str, config: ModelConfig, backend: AnyBackend,
+                  device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint dtype on CUDA; on CPU float32, or the backend's first
+    16-bit dtype (bfloat16, then float16) when it cannot run float32."""
+    if choice != "auto":
+        if choice not in _DTYPES:
+            raise InvalidArgumentError("--dtype", choice, "auto, float32, bfloat16 or float16")
+        return _DTYPES[choice]
+    if device.type == "cuda":
+        wanted = config.checkpoint_dtype
+        if wanted in backend.supported_dtypes:
+            return wanted
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if device.type == "cuda" and dtype == torch.float32:
+            continue
+        if dtype in backend.supported_dtypes:
+            return dtype
+    return torch.float32 if device.type == "cpu" else config.checkpoint_dtype
+
+
+def _reasons(backend: AnyBackend, config: ModelConfig, dtype: torch.dtype, block_size: int,
+             kv_cache_dtype: str, device: torch.device) -> list[str]:
+    return backend.unsupported_reasons(
+        dtype=dtype, head_size=config.attn_head_size, block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype, use_mla=config.is_mla, device=device,
+    )
+
+
+@dataclass(frozen=True)
+class ResolvedBackend:
+    """A named backend, loaded, with the warnings its loading raised (held back)."""
+
+    name: str
+    backend: AnyBackend
+    warnings: list[warnings.WarningMessage]
+
+
+def resolve_backend_name(name: str) -> ResolvedBackend:
+    """Load ``name`` (registry name or ``module:Class``), recording its warnings so
+    :func:`choose_backend` decides whether and where they are shown."""
+    backend, caught = _import_recording(name)
+    return ResolvedBackend(name, backend, caught)
+
+
+def _import_recording(name: str) -> tuple[AnyBackend, list[warnings.WarningMessage]]:
+    if ":" in name and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: module:Class from the cwd
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend = get_backend(name)
+    return backend, caught
+
+
+def _deprecation_line(backend: AnyBackend) -> str:
+    return (f"{backend.name} ({backend.__module__}) is an adapted legacy backend served "
+            "through the shim; migrate it (migration_guide.md)")
+
+
+def choose_backend(name: str | ResolvedBackend | None, config: ModelConfig, *, dtype: str,
+                   device: torch.device, block_size: int | None = None,
+                   kv_cache_dtype: str = "auto", strict: bool = False,
+                   show_warnings: bool = True) -> BackendChoice:
+    """The backend that serves ``config`` on ``device``; see the module docstring.
+
+    ``show_warnings=False`` (non-driver ranks) keeps the legacy warning to rank 0.
+    """
+    if name is None:
+        return _choose_default(config, dtype=dtype, device=device, block_size=block_size,
+                               kv_cache_dtype=kv_cache_dtype)
+    resolved = name if isinstance(name, ResolvedBackend) else resolve_backend_name(name)
+    name, backend, caught = resolved.name, resolved.backend, resolved.warnings
+    legacy = backend.migration == "adapted"
+    if legacy and strict:
+        told = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+        raise LegacyBackendRefusedError(
+            f"--strict-backends: backend {name!r} is an adapted legacy backend and is refused. "
+            + (told[0] if told else _deprecation_line(backend) + ".")
+        )
+    for w in caught:
+        if show_warnings or not issubclass(w.category, FutureWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    bs = pick_block_size(backend) if block_size is None else block_size
+    dt = resolve_dtype(dtype, config, backend, device)
+    reasons = _reasons(backend, config, dt, bs, kv_cache_dtype, device)
+    if reasons:
+        raise UnsupportedBackendError(
+            f"--backend {name}: {backend.name} cannot serve this model "
+            f"({config.architecture}, dtype={dtype_name(dt)}, block_size={bs}, "
+            f"device={device.type}): " + "; ".join(reasons)
+        )
+    return BackendChoice(backend, bs, dt, [_deprecation_line(backend)] if legacy else [])
+
+
+def _choose_default(config: ModelConfig, *, dtype: str, device: torch.device,
+                    block_size: int | None, kv_cache_dtype: str) -> BackendChoice:
+    why: list[str] = []
+    for name in list_backends():
+        if name == "TORCH_REF":
+            continue
+        try:
+            backend = get_backend(name)
+        except PluginLoadError as exc:
+            why.append(f"  {name}: {exc}")
+            continue
+        if backend.migration == "adapted":
+            continue  # never chosen silently; name it with --backend
+        bs = pick_block_size(backend) if block_size is None else block_size
+        dt = resolve_dtype(dtype, config, backend, device)
+        reasons = _reasons(backend, config, dt, bs, kv_cache_dtype, device)
+        if not reasons:
+            return BackendChoice(backend, bs, dt)
+        why.append(f"  {name}: " + "; ".join(reasons))
+    ref = get_backend("TORCH_REF")
+    bs = 16 if block_size is None else block_size
+    dt = resolve_dtype(dtype, config, ref, device)
+    if not _reasons(ref, config, dt, bs, kv_cache_dtype, device):
+        return BackendChoice(ref, bs, dt, note="no faster backend can serve this here; "
+                                               "using the TORCH_REF oracle")
+    raise NoBackendError("no attention backend can serve this model:\n" + "\n".join(why))
