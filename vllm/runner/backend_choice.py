@@ -85,9 +85,15 @@ def resolve_dtype(choice: str, config: ModelConfig, backend: AnyBackend,
 
 def _reasons(backend: AnyBackend, config: ModelConfig, dtype: torch.dtype, block_size: int,
              kv_cache_dtype: str, device: torch.device) -> list[str]:
+    from vllm.runner.model import cache_head_size
+
+    head_size = (config.attn_head_size if config.is_mla
+                 else cache_head_size(backend, config.head_dim, config.head_dim))
     return backend.unsupported_reasons(
-        dtype=dtype, head_size=config.attn_head_size, block_size=block_size,
-        kv_cache_dtype=kv_cache_dtype, use_mla=config.is_mla, device=device,
+        dtype=dtype, head_size=head_size, block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype, use_mla=config.is_mla,
+        # sparse MLA backends serve with the runner's stand-in indexer (engine.py)
+        use_sparse=config.is_mla and backend.is_sparse, device=device,
     )
 
 

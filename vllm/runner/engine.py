@@ -32,13 +32,16 @@ from vllm.runner.config import ModelConfig, load_config, random_llama_config, ra
 from vllm.runner.connector import RegisteredKVCache, RegistersKVCaches
 from vllm.runner.cuda_graph import PiecewiseCUDAGraphs, default_capture_sizes
 from vllm.runner.kv_cache import BlockAllocator, KVCacheGroup, KVCacheManager, KVCacheSpec
-from vllm.runner.model import DecoderModel
+from vllm.runner.model import DecoderModel, cache_head_size
 from vllm.runner.parallel import ParallelState
 from vllm.runner.request import Request, RequestOutput, SamplingParams
 from vllm.runner.sampler import sample
 from vllm.runner.scheduler import Scheduler, SchedulerOutput
 from vllm.runner.tokenizer import TextTokenizer, load_tokenizer
 from vllm.runner.weights import init_random, load_safetensors
+
+SPARSE_TOPK = 2048
+"""Positions the sparse-MLA stand-in indexer selects per token (DeepSeek-V3.2's top-k)."""
 
 RANDOM_MODELS = ("random", "random-mla")
 """``--model`` keywords: the seeded random Llama, or the DeepSeek-style MLA model."""
@@ -202,9 +205,10 @@ class LLMEngine:
         total = 0
         for layer in self.model.attention_layers():
             spec = layer.spec
-            shape = layer.backend.get_kv_cache_shape(1, self.choice.block_size,
-                                                     spec.num_kv_heads, spec.head_size,
-                                                     spec.kv_cache_dtype)
+            shape = layer.backend.get_kv_cache_shape(
+                1, self.choice.block_size, spec.num_kv_heads,
+                cache_head_size(layer.backend, spec.head_size, spec.v_head_size),
+                spec.kv_cache_dtype)
             dtype = cache_storage_dtype(spec.kv_cache_dtype, self.model.dtype)
             total += math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         return max(total, 1)
@@ -230,7 +234,8 @@ class LLMEngine:
         registered: dict[str, RegisteredKVCache] = {}
         for layer in self.model.attention_layers():
             spec = layer.spec
-            key = KVCacheSpec(layer.backend, bs, spec.num_kv_heads, spec.head_size,
+            head_size = cache_head_size(layer.backend, spec.head_size, spec.v_head_size)
+            key = KVCacheSpec(layer.backend, bs, spec.num_kv_heads, head_size,
                               spec.kv_cache_dtype)
             group = groups.get(key)
             if group is None:
@@ -240,7 +245,7 @@ class LLMEngine:
             group.layer_names.append(layer.layer_name)
             cache = allocate_kv_cache(
                 layer.backend, num_blocks=num_blocks, block_size=bs,
-                num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                num_kv_heads=spec.num_kv_heads, head_size=head_size,
                 cache_dtype=spec.kv_cache_dtype, model_dtype=self.model.dtype,
                 device=self.device,
             )
@@ -347,6 +352,8 @@ class LLMEngine:
                 max_seq_len=max(seq_lens), block_size=group.block_size, causal=True,
             )
             meta = group.builder.build(common)  # once per group, shared by its layers
+            if group.spec.backend.is_sparse:
+                meta = self._attach_topk(meta, pos, seq_lens, out)
             slots: list[int] = []
             for c in out.chunks:
                 slots.extend(group.slots(c.request.req_id, c.start, c.start + c.num_new_tokens))
@@ -361,6 +368,22 @@ class LLMEngine:
             slot_mapping=slot_mapping, sample_rows=sample_rows, sample_requests=sample_reqs,
             graph=graph,
         )
+
+    def _attach_topk(self, meta: AttentionMetadata, positions: list[int], seq_lens: list[int],
+                     out: SchedulerOutput) -> AttentionMetadata:
+        """Sparse MLA needs an indexer's top-k positions per token. The runner's
+        stand-in selects each token's last ``SPARSE_TOPK`` positions (all of them
+        for shorter sequences, which makes sparse attention exactly dense)."""
+        from vllm.attention.backends.mla.common import MLASparseMetadata
+
+        if not isinstance(meta, MLASparseMetadata):
+            raise InvalidArgumentError("sparse backend metadata", type(meta).__name__,
+                                       "MLASparseMetadata")
+        k = min(SPARSE_TOPK, max(seq_lens))
+        pos = torch.tensor(positions, dtype=torch.int64).unsqueeze(1)
+        idx = pos - k + 1 + torch.arange(k, dtype=torch.int64).unsqueeze(0)
+        idx = idx.masked_fill(idx < 0, -1).to(torch.int32).to(self.device)
+        return meta.with_topk_indices(idx)
 
     def _sample(self, hidden: torch.Tensor, batch: _StepBatch) -> list[int]:
         if not batch.sample_rows:

@@ -17,6 +17,7 @@ from torch import nn
 
 from vllm.attention.backend import AttentionBackend
 from vllm.attention.layer import Attention, MLAAttention
+from vllm.attention.types import KVCacheLayout
 from vllm.runner.config import ModelConfig
 from vllm.runner.layers import RMSNorm, Rotary, ShardedLinear, SwiGLU
 from vllm.runner.parallel import ParallelState
@@ -25,6 +26,14 @@ AttentionLayer = Attention | MLAAttention
 """The attention layer modules the runner binds caches to."""
 
 AttnInputs = tuple[torch.Tensor, ...]
+
+
+def cache_head_size(backend: type[AttentionBackend[Any]], head_size: int, v_head_size: int) -> int:
+    """The ``head_size`` a backend's cache is allocated (and checked) with: ``Dk + Dv``
+    for the packed DiffKV layout, else the layer's head size."""
+    if backend.kv_cache_layout is KVCacheLayout.DIFFKV_PACKED:
+        return head_size + v_head_size
+    return head_size
 """What a layer's attention call takes (``q, k, v`` or ``q, kv_c_normed, k_pe``)."""
 
 
