@@ -302,8 +302,12 @@ def check_config(backend: AnyBackend, cfg: CheckConfig, *, seed: int = 0) -> lis
 
 
 def check_backend(backend: AnyBackend | str, device: str | torch.device = "cpu", *,
-                  seed: int = 0, thorough: bool = False) -> Report:
-    """Run the kit on ``backend`` (a class, registered name or ``module:Class``)."""
+                  seed: int = 0, thorough: bool = False,
+                  max_configs: int | None = None) -> Report:
+    """Run the kit on ``backend`` (a class, registered name or ``module:Class``).
+
+    ``max_configs`` runs only the first configurations of the grid (quick checks).
+    """
     from vllm.attention.registry import get_backend
 
     cls = get_backend(backend) if isinstance(backend, str) else backend
@@ -324,7 +328,8 @@ def check_backend(backend: AnyBackend | str, device: str | torch.device = "cpu",
     writer = cls.get_kv_cache_writer("auto")
     path = getattr(writer, "path", None)
     report.writer_path = str(path(dev)) if callable(path) else "torch"
-    for i, cfg in enumerate(conformance_grid(cls, str(dev), thorough=thorough)):
+    grid = conformance_grid(cls, str(dev), thorough=thorough)
+    for i, cfg in enumerate(grid[:max_configs]):
         failures = check_config(cls, cfg, seed=seed + i)
         if failures:
             report.failures.extend(failures)
