@@ -1,0 +1,123 @@
+"""``vllm-attn generate``: JSON shape, text prompts, legacy warnings, strict mode, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shim import LegacyBackendWarning
+from tests.runner.conftest import MAX_NEW, PROMPTS, HFCheckpoint
+from vllm.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+FUSED = "tests.legacy_backends.fused:FusedLegacyBackend"
+FLAGGED = "tests.legacy_backends.flagged:FlaggedLegacyBackend"
+
+
+def _ids_args(prompts: list[list[int]]) -> list[str]:
+    args: list[str] = []
+    for p in prompts:
+        args += ["--prompt-token-ids", ",".join(map(str, p))]
+    return args
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["generate", "--no-progress", "--max-model-len", "128", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_output_shape_and_order(hf_llama: HFCheckpoint,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "--model", str(hf_llama.path), "--backend", "TORCH_REF",
+                          *_ids_args(PROMPTS), "--max-tokens", str(MAX_NEW), "--output", "json")
+    assert code == 0, err
+    result = json.loads(out)  # exactly one JSON document on stdout
+    assert set(result) == {"backend", "outputs", "tokens_per_s"}
+    assert result["backend"] == "TORCH_REF"
+    assert isinstance(result["tokens_per_s"], float) and result["tokens_per_s"] > 0
+    assert [o["prompt_token_ids"] for o in result["outputs"]] == PROMPTS
+    assert [o["token_ids"] for o in result["outputs"]] == hf_llama.expected(PROMPTS)
+    assert all(set(o) == {"prompt_token_ids", "token_ids", "text"} and isinstance(o["text"], str)
+               for o in result["outputs"])
+    assert "tokens/s" in err.splitlines()[-1]
+
+
+def test_text_prompt_through_tokenizer_json(hf_llama: HFCheckpoint,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "--model", str(hf_llama.path), "--backend", "TORCH_REF",
+                          "--prompt", "w5 w17 w33 w9", "--max-tokens", str(MAX_NEW))
+    assert code == 0, err
+    want = " ".join(f"w{t}" if t > 2 else "" for t in hf_llama.expected(PROMPTS[:1])[0])
+    assert out.split() == want.split()
+
+
+def test_random_model_runs_with_no_checkpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "--prompt", "hello", "--max-tokens", "3", "--output", "json",
+                          "--backend", "TORCH_REF")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["outputs"][0]["prompt_token_ids"][0] == 1  # the byte tokenizer's BOS
+    assert len(result["outputs"][0]["token_ids"]) <= 3
+
+
+@pytest.mark.parametrize("target", [FUSED, FLAGGED])
+@pytest.mark.usefixtures("fresh_legacy_warnings")
+def test_legacy_backend_warns_once_and_reports(target: str, hf_llama: HFCheckpoint,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.warns(LegacyBackendWarning) as record:
+        code, out, err = _run(capsys, "--model", str(hf_llama.path), "--backend", target,
+                              *_ids_args(PROMPTS), "--max-tokens", str(MAX_NEW),
+                              "--output", "json")
+    assert code == 0, err
+    legacy = [w for w in record if issubclass(w.category, LegacyBackendWarning)]
+    assert len(legacy) == 1, [str(w.message) for w in legacy]
+    assert "migration_guide.md" in str(legacy[0].message)
+    assert [o["token_ids"] for o in json.loads(out)["outputs"]] == hf_llama.expected(PROMPTS)
+    summary = [line for line in err.splitlines() if line.startswith("deprecations:")]
+    assert len(summary) == 1 and "1 adapted legacy backend" in summary[0]
+
+
+def test_legacy_warning_once_in_a_real_process(hf_llama: HFCheckpoint) -> None:
+    """Default warning filters, stderr as a user sees it: one warning, one summary line."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm.cli", "generate", "--model", str(hf_llama.path),
+         "--backend", FUSED, *_ids_args(PROMPTS), "--max-tokens", "4", "--max-model-len", "64"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("LegacyBackendWarning") == 1, proc.stderr
+    assert proc.stderr.count("deprecations: 1 adapted legacy backend") == 1
+    assert len(proc.stdout.splitlines()) == len(PROMPTS)
+
+
+@pytest.mark.usefixtures("fresh_legacy_warnings")
+def test_strict_backends_refuses_legacy(hf_llama: HFCheckpoint,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # filterwarnings=error: a warning escaping here would fail the test
+    code, out, err = _run(capsys, "--model", str(hf_llama.path), "--backend", FUSED,
+                          "--strict-backends", "--prompt-token-ids", "5,6")
+    assert code == 2 and out == ""
+    assert "--strict-backends" in err and "EXAMPLE_LEGACY_FUSED" in err
+    assert "migration_guide.md" in err
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--prompt-token-ids", "1,x"], "--prompt-token-ids: got '1,x'"),
+    (["--backend", "NO_SUCH"], "no attention backend named 'NO_SUCH'"),
+    (["--backend", "FLASHMLA", "--model", "random"], "FLASHMLA cannot serve.*use_mla=False"),
+    (["--model", "/nonexistent"], "--model: got '/nonexistent'"),
+])
+def test_bad_arguments_exit_2_naming_the_argument(args: list[str], match: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.startswith("vllm-attn generate: error:")
+    assert re.search(match, err), err
