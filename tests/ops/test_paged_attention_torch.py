@@ -47,8 +47,11 @@ def test_torch_path_matches_float64_reference(case: Case) -> None:
 
 def test_auto_path_is_torch_on_cpu() -> None:
     assert resolve_path(torch.device("cpu")) == "torch"
-    with pytest.raises(InvalidArgumentError, match="path"):
-        resolve_path(torch.device("cpu"), "triton")
+    from vllm.attention.ops.triton_paged_attention import triton_unavailable_reason
+
+    if triton_unavailable_reason(torch.device("cpu")) is not None:  # no interpreter here
+        with pytest.raises(InvalidArgumentError, match="path"):
+            resolve_path(torch.device("cpu"), "triton")
     b = build(Case())
     out = b.new_output()
     paged_attention(b.query, b.kv, b.batch.common, scale=b.case.scale, output=out)
@@ -127,3 +130,27 @@ def test_argument_errors_name_the_argument() -> None:
     with pytest.raises(InvalidArgumentError, match="kv_cache.dtype"):
         PagedKV.from_cache(b.kv_cache, KVCacheLayout.SPLIT_NHD, KVQuant.unscaled("fp8_e4m3"),
                            block_size=16, num_kv_heads=2, head_size=32)
+
+
+@pytest.mark.parametrize("case", layout_cases(), ids=[c.id() for c in layout_cases()])
+def test_kernel_address_math_matches_readback(case: Case) -> None:
+    """The strides and splits the Triton kernels address by (``PagedOperand.gather``,
+    the same formula in torch) select exactly the rows the writers' readback reads:
+    this checks the kernels' addressing on machines without Triton."""
+    from vllm.attention.writers.readback import PerTokenHeadRows, read_slots
+
+    b = build(case)
+    kv = b.kv
+    for i, length in enumerate(b.batch.common.seq_lens_cpu.tolist()):
+        blocks = b.batch.common.block_table[i]
+        pos = torch.arange(length)
+        slots = blocks[pos // kv.block_size].long() * kv.block_size + pos % kv.block_size
+        rows = read_slots(kv.layout, kv.cache, slots, quant=kv.quant, num_kv_heads=kv.num_kv_heads,
+                          head_size=kv.head_size, head_size_v=kv.head_size_v)
+        for op, stored in ((kv.key, rows[0]), (kv.value, rows[1])):
+            got = op.gather(blocks, length)
+            assert got.dtype == stored.dtype or got.element_size() == stored.element_size()
+            assert torch.equal(got.contiguous().view(torch.uint8), stored.contiguous().view(torch.uint8))
+        if isinstance(rows, PerTokenHeadRows):
+            assert torch.equal(kv.key.gather_scales(blocks, length), rows.key_scale)
+            assert torch.equal(kv.value.gather_scales(blocks, length), rows.value_scale)

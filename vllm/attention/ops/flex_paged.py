@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from vllm.attention.errors import InvalidArgumentError
-from vllm.attention.ops.paged_attention import PagedBatchLike, check_paged_args
+from vllm.attention.ops.paged_attention import PagedBatchLike, check_paged_args, read_request
 from vllm.attention.ops.paged_kv import Dequant, PagedKV
 from vllm.attention.types import KVCacheLayout
 
@@ -197,9 +197,9 @@ def _gather(dtype: torch.dtype, kv: PagedKV, batch: PagedBatchLike, seq_lens: to
     ks: list[torch.Tensor] = []
     vs: list[torch.Tensor] = []
     for i, length in enumerate(seq_lens.tolist()):
-        blocks = batch.block_table[i]
-        ks.append(kv.load("k", blocks, int(length), dtype))
-        vs.append(kv.load("v", blocks, int(length), dtype))
+        k_i, v_i = read_request(kv, batch.block_table[i], int(length), dtype)
+        ks.append(k_i)
+        vs.append(v_i)
     k = torch.cat(ks)
     v = torch.cat(vs)
     kv_req = torch.repeat_interleave(torch.arange(len(ks)), seq_lens)

@@ -32,6 +32,7 @@ import torch
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.paged_kv import PagedKV
 from vllm.attention.ops.reference import attend
+from vllm.attention.writers.readback import read_slots
 
 PathName = Literal["auto", "torch", "triton"]
 
@@ -211,6 +212,19 @@ def check_paged_args(
 
 # -- the torch path -----------------------------------------------------------------------
 
+def read_request(kv: PagedKV, block_ids: torch.Tensor, length: int,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's dequantised K ``[length, H, D]`` and V ``[length, H, Dv]`` in
+    ``dtype``, read through the writers' readback (an address decoder independent of
+    the Triton kernels' strides). ``block_ids``: the request's block-table row."""
+    pos = torch.arange(length, device=block_ids.device)
+    slots = block_ids[pos // kv.block_size].long() * kv.block_size + pos % kv.block_size
+    k, v = read_slots(kv.layout, kv.cache, slots, quant=kv.quant, num_kv_heads=kv.num_kv_heads,
+                      head_size=kv.head_size, head_size_v=kv.head_size_v, dequantize=True,
+                      checked=False)
+    return k.to(dtype), v.to(dtype)
+
+
 def paged_attention_torch(
     query: torch.Tensor,
     kv: PagedKV,
@@ -247,11 +261,7 @@ def paged_attention_torch(
             continue
         if length < qe - qs:
             raise InvalidArgumentError(f"seq_lens[{i}]", length, f">= its query length {qe - qs}")
-        # TODO(readback): read through vllm.attention.writers.readback.read_slots once it
-        # lands, so this path checks the Triton kernel's address math independently.
-        blocks = batch.block_table[i]
-        k = kv.load("k", blocks, length, compute_dtype)
-        v = kv.load("v", blocks, length, compute_dtype)
+        k, v = read_request(kv, batch.block_table[i], length, compute_dtype)
         q = query[qs:qe].to(compute_dtype)
         if tree_mask is not None:
             visible = tree_visibility(tree_mask[qs:qe], length)
@@ -305,7 +315,11 @@ def paged_attention(
 
 
 def resolve_path(device: torch.device, path: PathName = "auto") -> Literal["torch", "triton"]:
-    """The path :func:`paged_attention` runs on ``device`` (for registry / CLI reports)."""
+    """The path :func:`paged_attention` runs on ``device`` (for registry / CLI reports).
+
+    ``auto`` is Triton on CUDA when it imports, torch everywhere else (the CPU
+    interpreter runs only when ``path="triton"`` asks for it).
+    """
     if path == "torch":
         return "torch"
     reason = triton_unavailable_reason(device)
@@ -313,4 +327,4 @@ def resolve_path(device: torch.device, path: PathName = "auto") -> Literal["torc
         if reason is not None:
             raise InvalidArgumentError("path", path, f"'auto' or 'torch' here: {reason}")
         return "triton"
-    return "torch" if reason is not None else "triton"
+    return "triton" if reason is None and device.type == "cuda" else "torch"

@@ -118,12 +118,18 @@ class PagedKV:
     """K and V of one layer's paged cache, with how to dequantise them.
 
     Build with :meth:`from_cache`; the compute paths (torch, Triton, flex) all take it.
+    The torch paths read rows through ``vllm.attention.writers.readback``; the
+    operands' strides are what the Triton kernels address (``PagedOperand.gather`` is
+    the same address math in torch, for tests).
     ``k_scale``/``v_scale``: float32 ``[1]`` or ``[H]``, used when ``dequant`` is SCALED.
     """
 
     layout: KVCacheLayout
+    cache: torch.Tensor
+    """The logical cache tensor the operands view."""
     key: PagedOperand
     value: PagedOperand
+    quant: KVQuant
     cache_dtype: KVCacheDType
     dequant: Dequant
     k_scale: torch.Tensor
@@ -203,22 +209,10 @@ class PagedKV:
                         f"{name}.shape", tuple(sc.shape), f"[1] or [num_kv_heads={num_kv_heads}]"
                     )
         return cls(
-            layout=layout, key=key, value=value, cache_dtype=dtype, dequant=deq,
+            layout=layout, cache=kv_cache, key=key, value=value, quant=quant,
+            cache_dtype=dtype, dequant=deq,
             k_scale=quant.k_scale.to(kv_cache.device), v_scale=quant.v_scale.to(kv_cache.device),
         )
-
-    def load(self, which: str, block_ids: torch.Tensor, length: int,
-             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantised rows ``[length, H, D]`` of one request; ``which`` is "k" or "v"."""
-        op = self.key if which == "k" else self.value
-        rows = op.gather(block_ids, length)
-        if self.dequant is Dequant.PER_TOKEN_HEAD:
-            scales = op.gather_scales(block_ids, length).unsqueeze(-1)
-            return (rows.to(torch.float32) * scales).to(out_dtype)
-        if self.dequant is Dequant.SCALED:
-            sc = (self.k_scale if which == "k" else self.v_scale).view(1, -1, 1)
-            return (rows.to(torch.float32) * sc).to(out_dtype)
-        return rows.to(out_dtype)
 
 
 def _check_cache_dtype(layout: KVCacheLayout, dtype: KVCacheDType, kv_cache: torch.Tensor) -> None:
