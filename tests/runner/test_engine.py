@@ -10,6 +10,7 @@ import torch
 from tests.runner.conftest import MAX_NEW, PROMPTS, HFCheckpoint
 from vllm.attention.errors import InvalidArgumentError, UnsupportedBackendError
 from vllm.runner import CPUMirrorConnector, EngineConfig, FinishReason, LLMEngine, SamplingParams
+from vllm.runner.cuda_graph import default_capture_sizes
 from vllm.runner.sampler import top_p_filter
 
 SMALL = EngineConfig(max_model_len=128, max_num_batched_tokens=16)
@@ -125,3 +126,9 @@ def test_cpu_mirror_connector_holds_every_written_block(backend: str,
         assert torch.equal(got.index_select(axis, ids), cache.index_select(axis, ids).cpu())
         untouched = [b for b in range(cache.shape[axis]) if b not in written]
         assert not got.index_select(axis, torch.tensor(untouched)).any()
+
+
+def test_default_capture_sizes() -> None:
+    assert default_capture_sizes(16) == [1, 2, 4, 8, 16]
+    assert default_capture_sizes(3) == [1, 2, 3]
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
