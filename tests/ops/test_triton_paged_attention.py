@@ -136,3 +136,32 @@ def test_cuda_long_decode_split_k(num_splits: int) -> None:
     case = Case(L.SPLIT_NHD, "auto", dtype=torch.bfloat16, num_kv_heads=8, group=4, head_size=128,
                 query_lens=(1,) * 8, context_lens=(4095, 4000, 17, 2048, 1, 3333, 4095, 100))
     assert _run(case, "cuda", num_splits=num_splits) <= TOLERANCE[torch.bfloat16]
+
+
+# -- launch heuristic (pure Python: runs without Triton) ------------------------------
+
+def test_split_heuristic_fills_the_last_wave() -> None:
+    from vllm.attention.ops.triton_paged_attention import split_heuristic
+
+    assert split_heuristic(programs=512, num_sms=132, max_splits=16) == 1  # 3.9 waves: fine
+    assert split_heuristic(programs=64, num_sms=132, max_splits=16) == 2
+    assert split_heuristic(programs=8, num_sms=132, max_splits=16) >= 8
+    assert split_heuristic(programs=8, num_sms=132, max_splits=1) == 1
+
+
+def test_choose_config_decode_and_prefill() -> None:
+    from vllm.attention.ops.triton_paged_attention import choose_config
+
+    kv = build(Case(L.SPLIT_NHD, num_kv_heads=2, group=4, head_size=32)).kv
+    dec = choose_config(kv, num_heads=8, num_reqs=2, max_query_len=1, max_seq_len=8192,
+                        query_dtype=torch.bfloat16)
+    assert dec.block_m == 16 and dec.num_splits > 1
+    short = choose_config(kv, num_heads=8, num_reqs=2, max_query_len=1, max_seq_len=100,
+                          query_dtype=torch.bfloat16)
+    assert short.num_splits == 1
+    pre = choose_config(kv, num_heads=8, num_reqs=2, max_query_len=512, max_seq_len=8192,
+                        query_dtype=torch.bfloat16)
+    assert pre.block_m >= 64 and pre.num_splits == 1
+    forced = choose_config(kv, num_heads=8, num_reqs=2, max_query_len=1, max_seq_len=8192,
+                           query_dtype=torch.float32, num_splits=3)
+    assert forced.num_splits == 3 and forced.block_n == 32

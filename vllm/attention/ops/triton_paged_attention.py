@@ -89,6 +89,23 @@ def _num_sms(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
+def split_heuristic(*, programs: int, num_sms: int, max_splits: int) -> int:
+    """Fewest splits whose last wave of programs is nearly full.
+
+    With ``n`` splits there are ``programs * n`` programs, i.e. ``w = programs * n /
+    num_sms`` waves whose efficiency is ``w / ceil(w)``; take the smallest ``n`` within
+    85% of the best efficiency (more splits cost a reduce and more partial traffic).
+    """
+    if max_splits <= 1:
+        return 1
+    effs = []
+    for n in range(1, max_splits + 1):
+        waves = programs * n / num_sms
+        effs.append(waves / math.ceil(waves))
+    best = max(effs)
+    return next(n for n, e in enumerate(effs, start=1) if e >= 0.85 * best)
+
+
 def choose_config(
     kv: PagedKV,
     *,
@@ -102,9 +119,9 @@ def choose_config(
     """The launch heuristic.
 
     Decode-shaped batches (every request's queries fit one tile) use ``block_m=16``
-    and, when ``num_reqs * num_kv_heads`` programs cannot fill the GPU and contexts are
-    long, split the key range so each SM gets about two programs. Prefill uses
-    ``block_m=64`` (128 for long prompts with few heads per group).
+    and, for contexts of at least ``2 * MIN_SPLIT_TOKENS``, split the key range by
+    :func:`split_heuristic` (few programs -> more splits). Prefill uses ``block_m=64``
+    (128 for long prompts with few heads per group).
     """
     group = num_heads // kv.num_kv_heads
     small_m = max(16, _pow2(group))
@@ -124,14 +141,15 @@ def choose_config(
         if decode and max_seq_len >= 2 * MIN_SPLIT_TOKENS:
             device = kv.device
             sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
-            programs = max(1, num_reqs * kv.num_kv_heads)
-            want = -(-2 * sms // programs)
-            num_splits = max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+            num_splits = split_heuristic(
+                programs=max(1, num_reqs * kv.num_kv_heads), num_sms=sms,
+                max_splits=min(MAX_SPLITS, max_seq_len // MIN_SPLIT_TOKENS),
+            )
     if num_splits < 1:
         raise InvalidArgumentError("num_splits", num_splits, ">= 1")
     num_warps = 4 if block_m * block_n <= 64 * 64 else 8
     return TritonLaunchConfig(block_m=block_m, block_n=block_n, num_splits=num_splits,
-                              num_warps=num_warps, num_stages=2 if decode else 3)
+                              num_warps=num_warps, num_stages=3)
 
 
 def paged_attention_triton(
