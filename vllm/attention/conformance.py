@@ -213,7 +213,8 @@ def _check_write(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) ->
         ref_backend.get_kv_cache_writer(cfg.cache_dtype).write(
             key, value, ref_cache, slots, layer.kv_quant)
         valid = slots[slots >= 0]
-        got = read_slots(layout, cache, valid)
+        got = read_slots(layout, cache, valid, num_kv_heads=cfg.num_kv_heads,
+                         head_size=cfg.head_size)
         want = read_slots(ref_backend.kv_cache_layout, ref_cache, valid)
         for name, g, w in zip(("K", "V"), got, want):
             if not torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)):
@@ -269,8 +270,9 @@ def _check_compute(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) 
         slots = torch.cat([batch.context_slots[ctx_at: ctx_at + c],
                            batch.new_slots[new_at: new_at + qn]])
         k, v = read_slots(backend.kv_cache_layout_for(cfg.cache_dtype), cache, slots,
-                          quant=layer.kv_quant,
-                          head_size_v=cfg.head_size_v, dequantize=True)
+                          quant=layer.kv_quant, num_kv_heads=cfg.num_kv_heads,
+                          head_size=cfg.head_size, head_size_v=cfg.head_size_v,
+                          dequantize=True)
         ref[new_at: new_at + qn] = attend(
             q[new_at: new_at + qn].double().cpu(), k.double().cpu(), v.double().cpu(),
             scale=layer.spec.scale, causal=causal, sliding_window=cfg.sliding_window,
