@@ -36,6 +36,7 @@ ENTRY_POINT_GROUP: Final = "vllm.attention_backends"
 _IN_TREE: Final[dict[str, str]] = {
     "FLASH_ATTN": "vllm.attention.backends.flash_attn:FlashAttentionBackend",
     "FLASHINFER": "vllm.attention.backends.flashinfer:FlashInferBackend",
+    "FLASHINFER_HND": "vllm.attention.backends.flashinfer:FlashInferHNDBackend",
     "TRITON_ATTN": "vllm.attention.backends.triton_attn:TritonAttentionBackend",
     "FLEX_ATTENTION": "vllm.attention.backends.flex_attention:FlexAttentionBackend",
     "TREE_ATTN": "vllm.attention.backends.tree_attn:TreeAttentionBackend",
