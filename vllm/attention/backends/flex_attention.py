@@ -1,0 +1,73 @@
+"""FLEX_ATTENTION: PyTorch's ``flex_attention`` over a block-interleaved cache.
+
+Logical ``(nb, 2, bs, H, D)`` with physical order ``(nb, bs, 2, H, D)``: one block
+holds, token by token, that token's K and V rows side by side. On devices where
+``flex_attention`` runs, the page table becomes a block mask
+(:mod:`vllm.attention.ops.flex_paged`); elsewhere the torch path reads the same
+layout. ``auto`` caches only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.attention.backend import (
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    PagedAttentionMetadata,
+    SizeSpec,
+    multiple_of,
+)
+from vllm.attention.backends.standard import (
+    PortablePath,
+    StandardBackend,
+    StandardImpl,
+    paged_fields,
+)
+from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlexAttentionMetadata(PagedAttentionMetadata):
+    """The paged batch; the flex path turns ``block_table`` and the lengths into its
+    block mask per call (the mask depends on the layer's sliding window)."""
+
+
+class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadata]):
+    def build(self, common: CommonAttentionMetadata) -> FlexAttentionMetadata:
+        return FlexAttentionMetadata(**paged_fields(common))
+
+
+class FlexAttentionBackend(StandardBackend[FlexAttentionMetadata]):
+    name: ClassVar[str] = "FLEX_ATTENTION"
+    kv_cache_layout: ClassVar[KVCacheLayout] = KVCacheLayout.SPLIT_BLOCK_INTERLEAVED
+    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto"})
+    block_sizes: ClassVar[SizeSpec] = multiple_of(16)
+    head_sizes: ClassVar[SizeSpec] = multiple_of(8, max=256)
+    attention_types: ClassVar[frozenset[AttentionType]] = frozenset(AttentionType)
+    portable_path: ClassVar[PortablePath] = "flex_attention"
+    tolerances: ClassVar[Mapping[torch.dtype, float]] = {
+        torch.float32: 1e-4,
+        torch.float16: 5e-3,
+        torch.bfloat16: 2e-2,
+    }
+
+    @classmethod
+    def get_impl_cls(cls) -> type[FlexAttentionImpl]:
+        return FlexAttentionImpl
+
+    @classmethod
+    def get_builder_cls(cls) -> type[FlexAttentionMetadataBuilder]:
+        return FlexAttentionMetadataBuilder
+
+    @classmethod
+    def get_metadata_cls(cls) -> type[FlexAttentionMetadata]:
+        return FlexAttentionMetadata
+
+
+class FlexAttentionImpl(StandardImpl[FlexAttentionMetadata]):
+    backend = FlexAttentionBackend

@@ -1,0 +1,272 @@
+"""What the nine standard (non-MLA) backends share.
+
+* :class:`StandardBackend`: the declarations every one of them adds to
+  :class:`~vllm.attention.backend.AttentionBackend` (per-dtype tolerances, vendor
+  kernels as data, the portable path it falls back to) and the path choice the
+  CLI and registry report.
+* :class:`StandardImpl`: compute over the backend's own layout. Per call it runs
+  the first vendor kernel that can run here and takes the call, else the
+  portable path (Triton or flex_attention on CUDA, torch anywhere), and records
+  which one ran in ``last_compute_path``.
+
+Batch metadata: each backend has its own frozen dataclass, a subclass of
+:class:`~vllm.attention.backend.PagedAttentionMetadata` (plus what its kernel
+needs); none carries ``slot_mapping``. Table and paths: ``docs/backends.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Mapping
+from typing import Any, ClassVar, Final, Literal, TypeVar
+
+import torch
+
+from vllm.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayerProtocol,
+    AttentionLayerSpec,
+    CommonAttentionMetadata,
+    ComputePath,
+    PagedAttentionMetadata,
+)
+from vllm.attention.backends.vendor_kernels import VendorCall, VendorKernel
+from vllm.attention.errors import InvalidArgumentError
+from vllm.attention.ops.flex_paged import FlexMode
+from vllm.attention.ops.paged_kv import PagedKV
+from vllm.attention.ops.reference import attend
+from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
+from vllm.attention.writer import KVCacheWriter
+
+SM = TypeVar("SM", bound=PagedAttentionMetadata)
+
+PortablePath = Literal["triton", "flex_attention"]
+
+DEFAULT_TOLERANCES: Final[Mapping[torch.dtype, float]] = {
+    torch.float32: 1e-4,
+    torch.float16: 5e-3,
+    torch.bfloat16: 2e-2,
+}
+"""Relative Frobenius error against float64 (the conformance kit's measure)."""
+
+
+def paged_fields(common: CommonAttentionMetadata) -> dict[str, Any]:
+    """The :class:`PagedAttentionMetadata` fields of ``common``, for a subclass's constructor."""
+    return {f.name: getattr(common, f.name) for f in dataclasses.fields(PagedAttentionMetadata)}
+
+
+def _portable_unavailable(path: PortablePath, device: torch.device) -> str | None:
+    if path == "flex_attention":
+        return _flex_unavailable(device)
+    from vllm.attention.ops.paged_attention import triton_unavailable_reason
+
+    return triton_unavailable_reason(device)
+
+
+def _flex_unavailable(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"device={device.type}, flex_attention runs (compiled) on cuda only here"
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
+    from vllm.attention.ops.triton_paged_attention import triton_import_error
+
+    err = triton_import_error()
+    return None if err is None else f"torch.compile of flex_attention needs triton ({err})"
+
+
+class StandardBackend(AttentionBackend[SM]):
+    """Declarations the nine standard backends add; still class data only."""
+
+    tolerances: ClassVar[Mapping[torch.dtype, float]] = DEFAULT_TOLERANCES
+    """Relative error allowed against float64, per model dtype (read by the kit and tests)."""
+    distinct_v_head_size: ClassVar[bool] = False
+    """True when V's head size may differ from K's (the kit then uses ``Dv = D // 2``)."""
+    vendor_kernels: ClassVar[tuple[VendorKernel, ...]] = ()
+    """Vendor kernels in order of preference; each declares what it takes."""
+    portable_path: ClassVar[PortablePath] = "triton"
+    """What runs on CUDA when no vendor kernel takes the call (torch when it cannot run)."""
+    flex_mode: ClassVar[FlexMode] = "gather"
+    """How the flex path presents pages (``vllm.attention.ops.flex_paged``): ``gather``
+    reads only owned positions; ``page_table`` is zero-copy but needs every unowned slot
+    to hold finite values (a zero-filled cache), which ``allocate_kv_cache`` does not give."""
+
+    @classmethod
+    def get_kv_cache_writer(cls, cache_dtype: KVCacheDType = "auto") -> KVCacheWriter:
+        """The standard writer of this backend's layout for ``cache_dtype``."""
+        from vllm.attention.writers import writer_for_layout
+
+        if cache_dtype not in cls.supported_kv_cache_dtypes:
+            raise InvalidArgumentError(
+                "cache_dtype", cache_dtype,
+                f"one of {', '.join(sorted(cls.supported_kv_cache_dtypes))} for {cls.name}",
+            )
+        return writer_for_layout(cls.kv_cache_layout_for(cache_dtype))
+
+    # -- which path runs ----------------------------------------------------------------
+    @classmethod
+    def usable_vendor_kernels(cls, device: torch.device) -> list[VendorKernel]:
+        """The vendor kernels that can run on ``device`` (imported, right platform/arch)."""
+        return [k for k in cls.vendor_kernels if k.unavailable_reason(device) is None]
+
+    @classmethod
+    def fallback_path(cls, device: torch.device) -> ComputePath:
+        """The portable path on ``device``: ``portable_path`` where it runs, else torch."""
+        return cls.portable_path if _portable_unavailable(cls.portable_path, device) is None else "torch"
+
+    @classmethod
+    def compute_path(cls, device: torch.device) -> ComputePath:
+        usable = cls.usable_vendor_kernels(device)
+        return usable[0].name if usable else cls.fallback_path(device)
+
+    @classmethod
+    def compute_path_notes(cls, device: torch.device) -> list[str]:
+        notes: list[str] = []
+        usable = cls.usable_vendor_kernels(device)
+        for kernel in cls.vendor_kernels:
+            reason = kernel.unavailable_reason(device)
+            if reason is not None:
+                notes.append(f"{kernel.name}: {reason}")
+        fallback = cls.fallback_path(device)
+        if usable:
+            notes.append(f"{usable[0].name} takes {usable[0].describe()}; other calls run "
+                         f"{fallback}")
+        elif fallback == "torch":
+            reason = _portable_unavailable(cls.portable_path, device)
+            notes.append(f"{cls.portable_path}: {reason}")
+        return notes
+
+
+class StandardImpl(AttentionImpl[SM]):
+    """Compute for a :class:`StandardBackend`; never writes ``kv_cache``.
+
+    Subclasses set ``backend`` (their backend class). ``last_compute_path`` names the
+    path the last :meth:`forward` ran; ``last_fallbacks`` says why each vendor kernel
+    that could run here did not take that call.
+    """
+
+    backend: ClassVar[type[StandardBackend[Any]]]
+
+    def __init__(self, spec: AttentionLayerSpec) -> None:
+        super().__init__(spec)
+        b = self.backend
+        if spec.head_size_v not in (None, spec.head_size) and not b.distinct_v_head_size:
+            raise InvalidArgumentError(
+                "head_size_v", spec.head_size_v, f"None or head_size={spec.head_size} for {b.name}"
+            )
+        if spec.attn_type not in b.attention_types:
+            allowed = ", ".join(sorted(t.value for t in b.attention_types))
+            raise InvalidArgumentError("attn_type", spec.attn_type.value, f"{allowed} for {b.name}")
+        self.last_compute_path: ComputePath | None = None
+        self.last_fallbacks: list[str] = []
+
+    def is_causal(self, meta: SM) -> bool:
+        return self.spec.attn_type is AttentionType.DECODER and meta.causal
+
+    def paged_kv(self, layer: AttentionLayerProtocol, kv_cache: torch.Tensor,
+                 meta: SM) -> PagedKV:
+        """``kv_cache`` described through the backend's layout for the layer's cache format."""
+        quant = layer.kv_quant
+        layout: KVCacheLayout = self.backend.kv_cache_layout_for(quant.kv_cache_dtype)
+        return PagedKV.from_cache(
+            kv_cache, layout, quant, block_size=meta.block_size,
+            num_kv_heads=self.spec.num_kv_heads, head_size=self.spec.head_size,
+            head_size_v=self.spec.head_size_v,
+        )
+
+    def tree_mask(self, meta: SM) -> torch.Tensor | None:
+        """``[num_tokens, max_query_len]`` bool draft-tree mask, or None (TREE_ATTN only)."""
+        return None
+
+    def forward(
+        self,
+        layer: AttentionLayerProtocol,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: SM,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        self.last_fallbacks = []
+        if self.spec.attn_type is AttentionType.ENCODER_ONLY:
+            self.last_compute_path = "torch"
+            return encoder_only_attention(self.spec, query, key, value, attn_metadata, output)
+        kv = self.paged_kv(layer, kv_cache, attn_metadata)
+        call = VendorCall(
+            spec=self.spec, query=query, kv_cache=kv_cache, kv=kv, meta=attn_metadata,
+            output=output, causal=self.is_causal(attn_metadata),
+            layout=self.backend.kv_cache_layout_for(kv.cache_dtype),
+            tree_mask=self.tree_mask(attn_metadata),
+        )
+        for kernel in self.backend.usable_vendor_kernels(kv.device):
+            why = kernel.rejects(call)
+            if why is None:
+                kernel.run(call)
+                self.last_compute_path = kernel.name
+                return output
+            self.last_fallbacks.append(f"{kernel.name}: {why}")
+        return self.run_portable(call)
+
+    def run_portable(self, call: VendorCall) -> torch.Tensor:
+        """Triton / flex_attention where they run, else the torch path."""
+        from vllm.attention.ops.paged_attention import paged_attention
+
+        path = self.backend.fallback_path(call.kv.device)
+        spec = self.spec
+        if path == "flex_attention":
+            from vllm.attention.ops.flex_paged import flex_paged_attention
+
+            flex_paged_attention(
+                call.query, call.kv, call.meta, scale=spec.scale, output=call.output,
+                causal=call.causal, sliding_window=spec.sliding_window,
+                logits_soft_cap=spec.logits_soft_cap, tree_mask=call.tree_mask,
+                mode=self.backend.flex_mode,
+            )
+            self.last_compute_path = "flex_attention"
+            return call.output
+        chosen: Literal["triton", "torch"] = "triton" if path == "triton" else "torch"
+        paged_attention(
+            call.query, call.kv, call.meta, scale=spec.scale, output=call.output,
+            causal=call.causal, sliding_window=spec.sliding_window,
+            logits_soft_cap=spec.logits_soft_cap, tree_mask=call.tree_mask, path=chosen,
+        )
+        self.last_compute_path = chosen
+        return call.output
+
+
+def encoder_only_attention(
+    spec: AttentionLayerSpec,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    meta: PagedAttentionMetadata,
+    output: torch.Tensor,
+) -> torch.Tensor:
+    """Bidirectional attention over this step's own K/V (no cache), per request, in float32.
+
+    ``key``/``value``: ``[num_tokens, num_kv_heads, head_size(_v)]``, rows as ``query``'s.
+    """
+    if key is None or value is None:
+        raise InvalidArgumentError("key/value", None, "tensors for attn_type=encoder_only")
+    starts = meta.query_start_loc_cpu.tolist()
+    for i in range(meta.num_reqs):
+        qs, qe = int(starts[i]), int(starts[i + 1])
+        if qe == qs:
+            continue
+        out = attend(
+            query[qs:qe].float(), key[qs:qe].float(), value[qs:qe].float(), scale=spec.scale,
+            causal=False, sliding_window=None, logits_soft_cap=spec.logits_soft_cap,
+        )
+        output[qs:qe] = out.to(output.dtype)
+    return output
+
+
+__all__ = [
+    "DEFAULT_TOLERANCES",
+    "StandardBackend",
+    "StandardImpl",
+    "encoder_only_attention",
+    "paged_fields",
+]
