@@ -58,6 +58,29 @@ def test_text_prompt_through_tokenizer_json(hf_llama: HFCheckpoint,
     assert out.split() == want.split()
 
 
+def test_out_of_tree_module_class_backend(hf_llama: HFCheckpoint,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "--model", str(hf_llama.path), "--backend",
+                          "vllm.attention.backends.torch_ref:TorchRefBackend",
+                          *_ids_args(PROMPTS[:1]), "--max-tokens", str(MAX_NEW),
+                          "--output", "json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["backend"] == "TORCH_REF"
+    assert result["outputs"][0]["token_ids"] == hf_llama.expected(PROMPTS[:1])[0]
+
+
+def test_prompt_text_needs_a_tokenizer(tmp_path: Path, hf_llama: HFCheckpoint,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    for f in ("config.json", "model.safetensors"):
+        (tmp_path / f).write_bytes((hf_llama.path / f).read_bytes())
+    code, out, err = _run(capsys, "--model", str(tmp_path), "--prompt", "w5")
+    assert code == 2 and "--prompt: got 'w5', expected --prompt-token-ids" in err
+    code, out, err = _run(capsys, "--model", str(tmp_path), "--prompt-token-ids", "5,6",
+                          "--max-tokens", "2", "--output", "json")
+    assert code == 0 and json.loads(out)["outputs"][0]["text"] is None
+
+
 def test_random_model_runs_with_no_checkpoint(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys, "--prompt", "hello", "--max-tokens", "3", "--output", "json",
                           "--backend", "TORCH_REF")

@@ -71,8 +71,11 @@ def _prompts(args: argparse.Namespace, engine: LLMEngine) -> list[list[int]]:
         return [_token_ids(t) for t in args.prompt_token_ids]
     texts: list[str] = args.prompt or ["Hello, my name is"]
     if engine.tokenizer is None:
-        raise InvalidArgumentError("--prompt", texts[0], "--prompt-token-ids for a checkpoint "
-                                   "without tokenizer.json")
+        raise InvalidArgumentError(
+            "--prompt", texts[0], "--prompt-token-ids: this checkpoint has no tokenizer.json "
+            "readable here (it needs the 'tokenizers' package: pip install "
+            "'vllm-kv-writer[runner]')",
+        )
     return [engine.tokenizer.encode(t) for t in texts]
 
 

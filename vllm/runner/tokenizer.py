@@ -3,6 +3,7 @@ or a byte-level tokenizer for the random model (so text prompts work anywhere)."
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -67,8 +68,10 @@ class ByteTokenizer:
 
 def load_tokenizer(model_dir: Path | None) -> TextTokenizer | None:
     """The checkpoint's tokenizer, the byte tokenizer for the random model, or None
-    (a checkpoint without ``tokenizer.json``: token ids only)."""
+    (no ``tokenizer.json``, or the ``tokenizers`` package missing: token ids only)."""
     if model_dir is None:
         return ByteTokenizer()
     path = model_dir / "tokenizer.json"
-    return HFTokenizer(path) if path.is_file() else None
+    if not path.is_file() or importlib.util.find_spec("tokenizers") is None:
+        return None  # token ids still work; --prompt explains what is missing
+    return HFTokenizer(path)
