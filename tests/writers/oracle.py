@@ -268,6 +268,26 @@ def expected_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     return out.to(kv_c.device)
 
 
+def edge_values() -> torch.Tensor:
+    """float32 values on and around every E4M3/E5M2 rounding boundary, subnormals of
+    both formats and of float32, zeros, the saturation limits, inf, NaN, random bits."""
+    vals = []
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt).to(torch.float32)
+        fin = codes[torch.isfinite(codes)].unique().sort().values
+        mids = (fin[1:] + fin[:-1]) / 2
+        for v in (fin, mids):
+            vals += [v, torch.nextafter(v, torch.full_like(v, math.inf)),
+                     torch.nextafter(v, torch.full_like(v, -math.inf))]
+    vals.append(torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, 2.0 ** -126, 448.0, 464.0,
+                              480.0, 57344.0, 61440.0, 65536.0, 1e30, -1e30,
+                              math.inf, -math.inf, math.nan, -math.nan]))
+    gen = torch.Generator().manual_seed(7)
+    bits = torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64)
+    vals.append(bits.to(torch.int32).view(torch.float32))
+    return torch.cat(vals)
+
+
 # ---------------------------------------------------------------- one run
 
 

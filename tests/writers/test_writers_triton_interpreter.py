@@ -15,7 +15,7 @@ from typing import TypeVar
 import pytest
 import torch
 
-from tests.writers.oracle import KV_LAYOUTS, Case, L, check, prepare, write
+from tests.writers.oracle import KV_LAYOUTS, Case, L, check, edge_values, prepare, write
 from vllm.attention import KVQuant
 from vllm.attention.writers import (
     FP8DsMLACacheWriter,
@@ -63,26 +63,6 @@ def test_triton_kernel_interpreted(case: Case) -> None:
     w = prepare(case, "cpu", seed=zlib.crc32(case.id.encode()), num_tokens=5)
     write(w, "triton")
     check(w)
-
-
-def edge_values() -> torch.Tensor:
-    """float32 values on and around every E4M3/E5M2 rounding boundary, subnormals of
-    both formats and of float32, zeros, the saturation limits, inf, NaN, random bits."""
-    vals = []
-    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
-        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt).to(torch.float32)
-        fin = codes[torch.isfinite(codes)].unique().sort().values
-        mids = (fin[1:] + fin[:-1]) / 2
-        for v in (fin, mids):
-            vals += [v, torch.nextafter(v, torch.full_like(v, math.inf)),
-                     torch.nextafter(v, torch.full_like(v, -math.inf))]
-    vals.append(torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, 2.0 ** -126, 448.0, 464.0,
-                              480.0, 57344.0, 61440.0, 65536.0, 1e30, -1e30,
-                              math.inf, -math.inf, math.nan, -math.nan]))
-    gen = torch.Generator().manual_seed(7)
-    bits = torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64)
-    vals.append(bits.to(torch.int32).view(torch.float32))
-    return torch.cat(vals)
 
 
 def _rows_of(x: torch.Tensor, d: int) -> torch.Tensor:

@@ -155,6 +155,56 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return _bits(x), st, sh, sd
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: the kernel's name in ``triton_writer_kernels``, its grid,
+    positional arguments and constexpr keywords. Built separately from running it
+    so tests can compile exactly these arguments for a GPU target without one."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    args: tuple[torch.Tensor | int, ...]
+    constexprs: dict[str, int | bool]
+
+    def run(self) -> None:
+        if self.grid[0] == 0:
+            return
+        anchor = next(a for a in self.args if isinstance(a, torch.Tensor))
+        fn = getattr(_kernels_for(anchor), self.kernel)
+        fn[self.grid](*self.args, **self.constexprs)
+
+
+def scatter_kv_launch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_target: ScatterTarget,
+    v_target: ScatterTarget,
+    slot_mapping: torch.Tensor,
+    mode: int,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> Launch:
+    """:func:`scatter_kv`'s launch."""
+    n = slot_mapping.shape[0]
+    h = k_target.num_heads
+    dk, dv = k_target.head_size, v_target.head_size
+    block_dk, block_dv = _pow2(dk), _pow2(dv)
+    block_h = min(_pow2(h), max(1, _MAX_TILE // max(block_dk, block_dv)))
+    return Launch(
+        "scatter_kv_kernel", (n, -(-h // block_h)),
+        (slot_mapping, slot_mapping.stride(0),
+         *_rows(key), *_rows(value),
+         *k_target.args(), *v_target.args(),
+         k_scale, 0 if k_scale.numel() == 1 else k_scale.stride(0),
+         v_scale, 0 if v_scale.numel() == 1 else v_scale.stride(0),
+         h, k_target.block_size, dk, dv),
+        {"IN_KIND": _IN_KIND[key.dtype], "MODE": mode,
+         "K_XO": k_target.off_split, "K_XD": k_target.dim_split,
+         "V_XO": v_target.off_split, "V_XD": v_target.dim_split,
+         "BLOCK_H": block_h, "BLOCK_DK": block_dk, "BLOCK_DV": block_dv},
+    )
+
+
 def scatter_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -168,26 +218,30 @@ def scatter_kv(
     """Write ``key``/``value`` ``[>= T, H, D]`` rows of the ``T = slot_mapping.shape[0]``
     tokens through the targets. ``mode``: 0 copy (``auto``), 1 E4M3, 2 E5M2;
     scales float32 ``[1]`` or ``[H]`` (ignored for mode 0)."""
-    n = slot_mapping.shape[0]
-    if n == 0:
-        return
-    h = k_target.num_heads
-    dk, dv = k_target.head_size, v_target.head_size
-    block_dk, block_dv = _pow2(dk), _pow2(dv)
-    block_h = min(_pow2(h), max(1, _MAX_TILE // max(block_dk, block_dv)))
-    grid = (n, -(-h // block_h))
-    kernels = _kernels_for(slot_mapping)
-    kernels.scatter_kv_kernel[grid](
-        slot_mapping, slot_mapping.stride(0),
-        *_rows(key), *_rows(value),
-        *k_target.args(), *v_target.args(),
-        k_scale, 0 if k_scale.numel() == 1 else k_scale.stride(0),
-        v_scale, 0 if v_scale.numel() == 1 else v_scale.stride(0),
-        h, k_target.block_size, dk, dv,
-        IN_KIND=_IN_KIND[key.dtype], MODE=mode,
-        K_XO=k_target.off_split, K_XD=k_target.dim_split,
-        V_XO=v_target.off_split, V_XD=v_target.dim_split,
-        BLOCK_H=block_h, BLOCK_DK=block_dk, BLOCK_DV=block_dv,
+    scatter_kv_launch(key, value, k_target, v_target, slot_mapping, mode,
+                      k_scale, v_scale).run()
+
+
+def per_token_head_launch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_view: torch.Tensor,
+    v_view: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    int8: bool,
+) -> Launch:
+    """:func:`per_token_head`'s launch."""
+    _, bs, h, d4 = k_view.shape
+    d = d4 - 4
+    block_d = _pow2(d)
+    block_h = min(_pow2(h), max(1, _MAX_TILE // block_d))
+    return Launch(
+        "per_token_head_kernel", (slot_mapping.shape[0], -(-h // block_h)),
+        (slot_mapping, slot_mapping.stride(0),
+         *_rows(key), *_rows(value),
+         k_view, *k_view.stride(), v_view, *v_view.stride(),
+         h, bs, d),
+        {"IN_KIND": _IN_KIND[key.dtype], "INT8": int8, "BLOCK_H": block_h, "BLOCK_D": block_d},
     )
 
 
@@ -200,21 +254,24 @@ def per_token_head(
     int8: bool,
 ) -> None:
     """Quantise rows per (token, head) into uint8 ``[nb, bs, H, D + 4]`` views."""
-    n = slot_mapping.shape[0]
-    if n == 0:
-        return
-    _, bs, h, d4 = k_view.shape
-    d = d4 - 4
-    block_d = _pow2(d)
-    block_h = min(_pow2(h), max(1, _MAX_TILE // block_d))
-    grid = (n, -(-h // block_h))
-    kernels = _kernels_for(slot_mapping)
-    kernels.per_token_head_kernel[grid](
-        slot_mapping, slot_mapping.stride(0),
-        *_rows(key), *_rows(value),
-        k_view, *k_view.stride(), v_view, *v_view.stride(),
-        h, bs, d,
-        IN_KIND=_IN_KIND[key.dtype], INT8=int8, BLOCK_H=block_h, BLOCK_D=block_d,
+    per_token_head_launch(key, value, k_view, v_view, slot_mapping, int8).run()
+
+
+def fp8_ds_mla_launch(
+    kv_c_normed: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> Launch:
+    """:func:`fp8_ds_mla`'s launch."""
+    return Launch(
+        "fp8_ds_mla_kernel", (slot_mapping.shape[0],),
+        (slot_mapping, slot_mapping.stride(0),
+         _bits(kv_c_normed), *kv_c_normed.stride(),
+         _bits(k_pe), *k_pe.stride(),
+         kv_cache, *kv_cache.stride(),
+         kv_cache.shape[1]),
+        {"IN_KIND": _IN_KIND[kv_c_normed.dtype]},
     )
 
 
@@ -226,15 +283,4 @@ def fp8_ds_mla(
 ) -> None:
     """Write 656-byte entries: ``kv_c_normed`` ``[>= T, 512]``, ``k_pe`` ``[>= T, 64]``,
     ``kv_cache`` uint8 ``(nb, bs, 656)``."""
-    n = slot_mapping.shape[0]
-    if n == 0:
-        return
-    kernels = _kernels_for(slot_mapping)
-    kernels.fp8_ds_mla_kernel[(n,)](
-        slot_mapping, slot_mapping.stride(0),
-        _bits(kv_c_normed), *kv_c_normed.stride(),
-        _bits(k_pe), *k_pe.stride(),
-        kv_cache, *kv_cache.stride(),
-        kv_cache.shape[1],
-        IN_KIND=_IN_KIND[kv_c_normed.dtype],
-    )
+    fp8_ds_mla_launch(kv_c_normed, k_pe, kv_cache, slot_mapping).run()

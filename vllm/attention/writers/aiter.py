@@ -14,7 +14,7 @@ from vllm.attention.layouts import aiter_shuffled_views
 from vllm.attention.ops.triton_writers import ScatterTarget, scatter_kv
 from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
-from vllm.attention.writers.quant import store_values
+from vllm.attention.writers.quant import as_bits, store_values
 from vllm.attention.writers.split import SPLIT_CACHE_DTYPES, kept_slots, scatter_mode
 from vllm.attention.writers.validation import check_kv_inputs, check_tensor
 
@@ -37,8 +37,8 @@ def reference_aiter_write(
     dt = quant.kv_cache_dtype
     k = store_values(key[:n][keep], dt, quant.k_scale, k5.dtype)
     v = store_values(value[:n][keep], dt, quant.v_scale, v5.dtype)
-    k5.permute(0, 3, 1, 2, 4)[blocks, offsets] = k.reshape(*k.shape[:-1], -1, x)
-    v5.permute(0, 2, 4, 1, 3)[blocks, offsets // x, offsets % x] = v
+    as_bits(k5).permute(0, 3, 1, 2, 4)[blocks, offsets] = as_bits(k).reshape(*k.shape[:-1], -1, x)
+    as_bits(v5).permute(0, 2, 4, 1, 3)[blocks, offsets // x, offsets % x] = as_bits(v)
 
 
 class AiterShuffledKVCacheWriter(WriterBase):

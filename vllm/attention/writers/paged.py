@@ -15,7 +15,7 @@ from vllm.attention.layouts import legacy_paged_views
 from vllm.attention.ops.triton_writers import ScatterTarget, scatter_kv
 from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
-from vllm.attention.writers.quant import store_values
+from vllm.attention.writers.quant import as_bits, store_values
 from vllm.attention.writers.split import SPLIT_CACHE_DTYPES, kept_slots, scatter_mode
 from vllm.attention.writers.validation import check_kv_inputs, check_tensor
 
@@ -47,8 +47,9 @@ def reference_legacy_paged_write(
     dt = quant.kv_cache_dtype
     k = store_values(key[:n][keep], dt, quant.k_scale, k5.dtype)
     v = store_values(value[:n][keep], dt, quant.v_scale, v4.dtype)
-    k5.permute(0, 3, 1, 2, 4)[blocks, offsets] = k.reshape(*k.shape[:-1], -1, k5.shape[4])
-    v4.permute(0, 3, 1, 2)[blocks, offsets] = v
+    as_bits(k5).permute(0, 3, 1, 2, 4)[blocks, offsets] = as_bits(k).reshape(
+        *k.shape[:-1], -1, k5.shape[4])
+    as_bits(v4).permute(0, 3, 1, 2)[blocks, offsets] = as_bits(v)
 
 
 class LegacyPagedKVCacheWriter(WriterBase):

@@ -23,6 +23,16 @@ FP8_DTYPES: Final[dict[str, torch.dtype]] = {
 }
 
 
+_BITS: Final[dict[int, torch.dtype]] = {1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                        8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as same-size integers (strides unchanged). Reference writes and
+    reads index through this: not every device's index kernels take fp8."""
+    return t.view(_BITS[t.element_size()])
+
+
 def fp8_dtype_of(cache_dtype: KVCacheDType) -> torch.dtype:
     return FP8_DTYPES[cache_dtype]
 

@@ -29,7 +29,7 @@ from vllm.attention.types import KVCacheLayout, KVQuant
 from vllm.attention.writers import reference_write
 from vllm.attention.writers.fp8_ds_mla import ds_mla_rope_dtype
 from vllm.attention.writers.per_token_head import PER_TOKEN_HEAD_VALUE_DTYPE
-from vllm.attention.writers.quant import FP8_DTYPES
+from vllm.attention.writers.quant import FP8_DTYPES, as_bits
 
 __all__ = [
     "FP8DsMLARows",
@@ -105,7 +105,7 @@ def _need(name: str, value: int | None, layout: KVCacheLayout) -> int:
 def _rows_of(view: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """Rows ``view[slot // bs, slot % bs]`` of a ``[nb, bs, ...]`` view."""
     bs = view.shape[1]
-    return view[s // bs, s % bs]
+    return as_bits(view)[s // bs, s % bs].view(view.dtype)
 
 
 @overload
@@ -197,7 +197,7 @@ def _read(layout: KVCacheLayout, kv_cache: torch.Tensor, slots: torch.Tensor, *,
         s = _slots(slots, kv_cache, nb * bs, checked)
         k = _rows_of(k5.permute(0, 3, 1, 2, 4), s).reshape(-1, h, d)
         blocks, offsets = s // bs, s % bs
-        v = v5.permute(0, 2, 4, 1, 3)[blocks, offsets // x, offsets % x]
+        v = as_bits(v5).permute(0, 2, 4, 1, 3)[blocks, offsets // x, offsets % x].view(v5.dtype)
         return KVRows(k, v)
     if layout is KVCacheLayout.PER_TOKEN_HEAD_QUANT:
         if quant is None or quant.kv_cache_dtype not in PER_TOKEN_HEAD_VALUE_DTYPE:

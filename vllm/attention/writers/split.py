@@ -17,7 +17,7 @@ from vllm.attention.layouts import split_kv_views
 from vllm.attention.ops.triton_writers import ScatterTarget, scatter_kv
 from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
-from vllm.attention.writers.quant import store_values
+from vllm.attention.writers.quant import as_bits, store_values
 from vllm.attention.writers.validation import check_kv_inputs, check_tensor
 
 SPLIT_CACHE_DTYPES: Final[tuple[KVCacheDType, ...]] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -58,8 +58,10 @@ def reference_split_write(
     n = slot_mapping.shape[0]
     keep, blocks, offsets = kept_slots(slot_mapping, k_view.shape[1])
     dt = quant.kv_cache_dtype
-    k_view[blocks, offsets] = store_values(key[:n][keep], dt, quant.k_scale, k_view.dtype)
-    v_view[blocks, offsets] = store_values(value[:n][keep], dt, quant.v_scale, v_view.dtype)
+    k = store_values(key[:n][keep], dt, quant.k_scale, k_view.dtype)
+    v = store_values(value[:n][keep], dt, quant.v_scale, v_view.dtype)
+    as_bits(k_view)[blocks, offsets] = as_bits(k)
+    as_bits(v_view)[blocks, offsets] = as_bits(v)
 
 
 class SplitKVCacheWriter(WriterBase):
