@@ -199,7 +199,9 @@ def mla_sparse_torch(q_lat: torch.Tensor, kv_cache: torch.Tensor, topk: torch.Te
         e = min(s + token_chunk, t)
         slots, valid = sparse_positions_to_slots(topk[s:e], token_req[s:e], token_pos[s:e],
                                                  block_table, bs)
-        keys = decode_latent_rows(flat[slots], fmt)  # [t, K, L + R]
+        # invalid entries read slot 0, whatever it holds (NaN too): zero them so a
+        # masked-out key cannot reach the output through 0 * NaN
+        keys = decode_latent_rows(flat[slots], fmt).masked_fill(~valid.unsqueeze(-1), 0.0)
         scores = torch.einsum("tnd,tkd->tnk", q_lat[s:e].to(torch.float32), keys) * scale
         scores = scores.masked_fill(~valid.unsqueeze(1), -math.inf)
         probs, _ = _softmax_with_lse(scores)

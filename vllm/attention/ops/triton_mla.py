@@ -30,9 +30,15 @@ def _interpreting() -> bool:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels(interpret: bool) -> tuple[Any, Any]:
+    """The kernels as ``@triton.jit`` built them under the current ``TRITON_INTERPRET``
+    (decided at decoration time): the module is reloaded when the mode changes."""
+    import importlib
+
     from vllm.attention.ops import triton_mla_kernels as k
 
+    if _kernels.cache_info().currsize:
+        k = importlib.reload(k)
     return k.mla_split_kernel, k.mla_combine_kernel
 
 
@@ -65,7 +71,8 @@ def _launch(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
             token_req: torch.Tensor, token_pos: torch.Tensor, topk: torch.Tensor | None,
             fmt: LatentFormat, scale: float, num_keys: int,
             num_splits: int | None) -> torch.Tensor:
-    split_kernel, combine_kernel = _kernels()
+    interp = _interpreting()
+    split_kernel, combine_kernel = _kernels(interp)
     t, n, d = q_lat.shape
     L, R = fmt.kv_lora_rank, fmt.rope_dim
     if d != L + R:
@@ -84,7 +91,6 @@ def _launch(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
     idx = req if topk is None else topk
     block_h = 16 if n >= 16 else max(1, _next_pow2(n))
     block_h = max(block_h, 16) if q.is_cuda else block_h
-    interp = _interpreting()
     # the interpreter mis-multiplies bfloat16 dots; there they run in float32
     half = q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and not interp)
     grid = (t, -(-n // block_h), splits)

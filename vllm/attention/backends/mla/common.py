@@ -606,15 +606,11 @@ class MLABackend(AttentionBackend[MM]):
         notes: list[str] = []
         v = cls.get_impl_cls().vendor
         if v is not None:
-            notes.extend(f"{v.name} not used: {r}" for r in v.unavailable_reasons(device, "auto"))
-            notes.extend(f"{v.name} also needs: {r}" for r in v.requirements())
+            notes.extend(f"{v.name}: {r}" for r in v.unavailable_reasons(device, "auto"))
         elif cls.is_sparse:
-            notes.append("no vendor sparse kernel wired: flash_mla's sparse API takes global "
-                         "slot indices and changed across versions; Triton / torch sparse runs")
+            notes.append("no vendor sparse kernel wired (docs/mla.md)")
         if device.type == "cuda" and not _triton_available():
-            notes.append("triton not importable: decode falls back to torch")
-        if device.type != "cuda":
-            notes.append(f"device {device.type}: the Triton decode kernel needs CUDA; torch runs")
+            notes.append("triton: not importable, decode runs on torch")
+        elif device.type != "cuda":
+            notes.append(f"triton: device={device.type}, the Triton MLA kernels need cuda")
         return notes
-
-

@@ -1,0 +1,73 @@
+"""Small builders for the MLA tests (imported explicitly, not a conftest)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.attention.backend import allocate_kv_cache
+from vllm.attention.backends.mla.common import MLALayerSpec, MLAProjection
+from vllm.attention.batch import PagedBatch, make_paged_batch
+from vllm.attention.layer import MLAAttention
+from vllm.attention.registry import get_backend
+
+MLA_NAMES = (
+    "FLASH_ATTN_MLA", "FLASHINFER_MLA", "FLASHMLA_SPARSE", "FLASHMLA", "ROCM_AITER_MLA",
+    "ROCM_AITER_MLA_SPARSE", "CUTLASS_MLA", "TRITON_MLA",
+)
+
+
+@dataclass
+class MLASetup:
+    layer: MLAAttention
+    spec: MLALayerSpec
+    batch: PagedBatch
+    cache: torch.Tensor
+    q: torch.Tensor
+    kv_c_new: torch.Tensor
+    k_pe_new: torch.Tensor
+    meta: Any
+
+
+def make_spec(*, n: int = 2, L: int = 512, R: int = 64, P: int = 32, V: int = 32,
+              dtype: torch.dtype = torch.float32, cache_dtype: str = "auto",
+              seed: int = 0) -> MLALayerSpec:
+    g = torch.Generator().manual_seed(seed)
+    proj = MLAProjection(w_uk=(torch.randn(n, P, L, generator=g) * L ** -0.5).to(dtype),
+                         w_uv=(torch.randn(n, L, V, generator=g) * L ** -0.5).to(dtype))
+    return MLALayerSpec.create(num_heads=n, kv_lora_rank=L, qk_nope_head_dim=P,
+                               qk_rope_head_dim=R, v_head_dim=V, projection=proj,
+                               kv_cache_dtype=cache_dtype)  # type: ignore[arg-type]
+
+
+def setup(backend_name: str, query_lens: list[int], context_lens: list[int], *,
+          block_size: int, spec: MLALayerSpec, dtype: torch.dtype = torch.float32,
+          seed: int = 0, k_scale: float | None = None) -> MLASetup:
+    """A layer over a random-bytes cache whose context rows are already written."""
+    backend = get_backend(backend_name)
+    g = torch.Generator().manual_seed(seed)
+    batch = make_paged_batch(query_lens, context_lens, block_size=block_size, generator=g)
+    layer = MLAAttention(spec=spec, backend=backend, layer_name="mla", k_scale=k_scale,
+                         checked=True)
+    cache = allocate_kv_cache(backend, num_blocks=batch.num_blocks, block_size=block_size,
+                              num_kv_heads=1, head_size=spec.head_size,
+                              cache_dtype=spec.kv_cache_dtype, model_dtype=dtype, device="cpu")
+    raw = cache.view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
+    layer.bind_kv_cache(cache, block_size)
+    L, R = spec.kv_lora_rank, spec.qk_rope_head_dim
+    n_ctx, n_new = int(batch.context_slots.numel()), int(batch.new_slots.numel())
+    if n_ctx:
+        layer.kv_cache_writer.write(torch.randn(n_ctx, L, generator=g).to(dtype),
+                                    torch.randn(n_ctx, R, generator=g).to(dtype), cache,
+                                    batch.context_slots, layer.kv_quant)
+    q = torch.randn(n_new, spec.num_heads, spec.qk_head_dim, generator=g).to(dtype)
+    meta = backend.get_builder_cls()(spec, torch.device("cpu")).build(batch.common)
+    return MLASetup(layer, spec, batch, cache, q, torch.randn(n_new, L, generator=g).to(dtype),
+                    torch.randn(n_new, R, generator=g).to(dtype), meta)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())

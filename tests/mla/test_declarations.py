@@ -1,0 +1,127 @@
+"""The eight MLA backends' declarations: capabilities as data, reasons, shapes, writers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.mla.helpers import MLA_NAMES
+from vllm.attention import InvalidArgumentError, allocate_kv_cache
+from vllm.attention.backends.mla.common import MLAMetadata, MLASparseMetadata
+from vllm.attention.registry import get_backend, select_backend
+from vllm.attention.types import KVCacheLayout
+
+BLOCK_SIZES = {  # name -> (admitted, refused)
+    "FLASHMLA": ((64,), (16, 32, 128)),
+    "CUTLASS_MLA": ((128,), (16, 64)),
+    "FLASHINFER_MLA": ((32, 64), (16, 128)),
+    "FLASHMLA_SPARSE": ((64,), (16, 32)),
+    "ROCM_AITER_MLA_SPARSE": ((1, 64), (16, 32)),
+    "ROCM_AITER_MLA": ((1, 3, 16, 24, 128), ()),
+    "TRITON_MLA": ((16, 32, 48, 128), (8, 24)),
+    "FLASH_ATTN_MLA": ((16, 32, 48, 128), (8, 24)),
+}
+CACHE_DTYPES = {
+    "FLASHMLA": {"auto", "fp8"}, "CUTLASS_MLA": {"auto", "fp8"},
+    "FLASHINFER_MLA": {"auto", "fp8"}, "TRITON_MLA": {"auto", "fp8"},
+    "FLASH_ATTN_MLA": {"auto"}, "ROCM_AITER_MLA": {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"},
+    "FLASHMLA_SPARSE": {"auto", "fp8_ds_mla"}, "ROCM_AITER_MLA_SPARSE": {"auto", "fp8"},
+}
+SPARSE = {"FLASHMLA_SPARSE", "ROCM_AITER_MLA_SPARSE"}
+
+
+@pytest.mark.parametrize("name", MLA_NAMES)
+def test_declarations(name: str) -> None:
+    b = get_backend(name)
+    assert b.name == name and b.is_mla
+    assert b.is_sparse == (name in SPARSE)
+    assert b.kv_cache_layout is KVCacheLayout.MLA_LATENT
+    assert set(b.supported_kv_cache_dtypes) == CACHE_DTYPES[name]
+    ok, refused = BLOCK_SIZES[name]
+    assert all(b.block_sizes.admits(bs) for bs in ok)
+    assert not any(b.block_sizes.admits(bs) for bs in refused)
+    meta = b.get_metadata_cls()
+    assert issubclass(meta, MLASparseMetadata if name in SPARSE else MLAMetadata)
+    assert "slot_mapping" not in {f.name for f in dataclasses.fields(meta)}
+
+
+@pytest.mark.parametrize("name", MLA_NAMES)
+def test_unsupported_reasons_name_value_and_allowed(name: str) -> None:
+    b = get_backend(name)
+    ok_bs = BLOCK_SIZES[name][0][0]
+    assert b.unsupported_reasons(dtype=torch.bfloat16, head_size=576, block_size=ok_bs,
+                                 use_mla=True, use_sparse=b.is_sparse) == []
+    reasons = b.unsupported_reasons(dtype=torch.bfloat16, head_size=576, block_size=ok_bs,
+                                    kv_cache_dtype="fp8_per_token_head", use_mla=False,
+                                    sliding_window=8)
+    text = " | ".join(reasons)
+    assert "kv_cache_dtype='fp8_per_token_head'" in text and "auto" in text
+    assert "use_mla=False" in text and "sliding_window=8" in text
+    if BLOCK_SIZES[name][1]:
+        bad = BLOCK_SIZES[name][1][0]
+        (reason,) = b.unsupported_reasons(dtype=torch.bfloat16, head_size=576,
+                                          block_size=bad, use_mla=True,
+                                          use_sparse=b.is_sparse)
+        assert f"block_size={bad}" in reason and name in reason
+
+
+def test_select_backend_for_mla_says_why_not() -> None:
+    chosen = select_backend(dtype=torch.bfloat16, head_size=576, block_size=128, use_mla=True)
+    assert chosen.is_mla and chosen.block_sizes.admits(128)
+    sparse = select_backend(dtype=torch.bfloat16, head_size=576, block_size=64, use_mla=True,
+                            use_sparse=True, kv_cache_dtype="fp8_ds_mla")
+    assert sparse.name == "FLASHMLA_SPARSE"
+
+
+@pytest.mark.parametrize("name,cache_dtype,dtype,shape", [
+    ("FLASHMLA", "auto", torch.bfloat16, (3, 64, 576)),
+    ("FLASHMLA", "fp8", torch.float8_e4m3fn, (3, 64, 576)),
+    ("ROCM_AITER_MLA", "fp8_e5m2", torch.float8_e5m2, (3, 16, 576)),
+    ("FLASHMLA_SPARSE", "fp8_ds_mla", torch.uint8, (3, 64, 656)),
+])
+def test_allocate(name: str, cache_dtype: str, dtype: torch.dtype,
+                  shape: tuple[int, ...]) -> None:
+    b = get_backend(name)
+    cache = allocate_kv_cache(b, num_blocks=3, block_size=shape[1], num_kv_heads=1,
+                              head_size=576, cache_dtype=cache_dtype, model_dtype=torch.bfloat16,
+                              device="cpu")
+    assert tuple(cache.shape) == shape and cache.dtype == dtype and cache.is_contiguous()
+    layout = b.kv_cache_layout_for(cache_dtype)  # type: ignore[arg-type]
+    assert layout is (KVCacheLayout.MLA_FP8_DS if cache_dtype == "fp8_ds_mla"
+                      else KVCacheLayout.MLA_LATENT)
+    with pytest.raises(InvalidArgumentError, match="num_kv_heads"):
+        b.get_kv_cache_shape(3, shape[1], 2, 576)
+
+
+@pytest.mark.parametrize("name", MLA_NAMES)
+def test_writer_per_cache_dtype(name: str) -> None:
+    b = get_backend(name)
+    for cd in b.supported_kv_cache_dtypes:
+        writer = b.get_kv_cache_writer(cd)
+        expected = "FP8DsMLACacheWriter" if cd == "fp8_ds_mla" else "MLALatentCacheWriter"
+        assert type(writer).__name__ == expected
+    with pytest.raises(InvalidArgumentError, match="cache_dtype: got 'int8_per_token_head'"):
+        b.get_kv_cache_writer("int8_per_token_head")
+
+
+@pytest.mark.parametrize("name", MLA_NAMES)
+def test_compute_path_on_cpu_is_torch_and_says_why(name: str) -> None:
+    b = get_backend(name)
+    cpu = torch.device("cpu")
+    assert b.compute_path(cpu) == "torch"
+    notes = b.compute_path_notes(cpu)
+    assert any("triton" in n for n in notes)
+    vendor = b.get_impl_cls().vendor
+    if vendor is not None:
+        assert any(n.startswith(vendor.name + ":") and "device cpu" in n for n in notes)
+
+
+def test_cli_backends_lists_all_eight_with_their_path() -> None:
+    from vllm.cli import backend_rows
+
+    rows = {r["name"]: r for r in backend_rows(torch.device("cpu"))}
+    for name in MLA_NAMES:
+        assert rows[name]["compute"] == "torch"
+        assert rows[name]["here"].startswith("yes")
