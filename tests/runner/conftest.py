@@ -1,18 +1,17 @@
 """Tiny Hugging Face checkpoints built on the spot (nothing is downloaded).
 
-Torch runs single-threaded here: these models are so small that thread start-up
-and contention on a shared 2-core machine cost 100x the arithmetic.
+Torch runs single-threaded in this package: these models are so small that thread
+start-up and contention on a shared 2-core machine cost 100x the arithmetic.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-
-torch.set_num_threads(1)
 
 MAX_NEW = 10
 PROMPTS: list[list[int]] = [[5, 17, 33, 9], list(range(3, 40)), [100], [7, 7, 8, 120, 64, 3, 2]]
@@ -84,7 +83,15 @@ def _save_word_tokenizer(path: Path, vocab_size: int) -> None:
     tok.save(str(path / "tokenizer.json"))
 
 
-@pytest.fixture(scope="session")
-def hf_llama(tmp_path_factory: pytest.TempPathFactory) -> HFCheckpoint:
+@pytest.fixture(scope="package", autouse=True)
+def single_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="package")
+def hf_llama(single_thread: None, tmp_path_factory: pytest.TempPathFactory) -> HFCheckpoint:
     """A 2-layer GQA Llama (4 heads, 2 KV heads, head_dim 64) and its HF greedy outputs."""
     return build_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
