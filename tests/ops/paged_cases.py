@@ -109,6 +109,9 @@ class Built:
     tree_mask: torch.Tensor | None
     reference: torch.Tensor
     """``[num_tokens, num_heads, Dv]`` float64."""
+    keys: list[torch.Tensor] = field(default_factory=list)
+    """Per request, the dequantised K ``[seq_len, H, D]`` in float64."""
+    values: list[torch.Tensor] = field(default_factory=list)
 
     def new_output(self) -> torch.Tensor:
         """An output buffer filled with NaN (every element must be overwritten)."""
@@ -231,6 +234,8 @@ def build(case: Case, device: torch.device | str = "cpu") -> Built:
 
     q = torch.randn(sum(case.query_lens), case.num_heads, case.head_size, generator=g).to(case.dtype)
     masks: list[torch.Tensor | None] = []
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     ref = torch.empty(q.shape[0], case.num_heads, case.dv, dtype=torch.float64)
     qs = 0
     for i, length in enumerate(lens):
@@ -242,6 +247,8 @@ def build(case: Case, device: torch.device | str = "cpu") -> Built:
         _place(case, cache, blk, off, k, v, ks, vs)
         k64 = k.double() * ks.double().unsqueeze(-1) * k_scale.double().view(1, -1, 1)
         v64 = v.double() * vs.double().unsqueeze(-1) * v_scale.double().view(1, -1, 1)
+        keys.append(k64)
+        values.append(v64)
         ql = case.query_lens[i]
         q64 = q[qs: qs + ql].double()
         if case.tree and ql <= TREE_MAX:
@@ -269,7 +276,7 @@ def build(case: Case, device: torch.device | str = "cpu") -> Built:
     quant = KVQuant(case.cache_dtype, k_scale.to(dev), v_scale.to(dev))
     kv = PagedKV.from_cache(cache, case.layout, quant, block_size=case.block_size,
                             num_kv_heads=h, head_size=case.head_size, head_size_v=case.head_size_v)
-    return Built(case, batch, q.to(dev), cache, quant, kv, tree_mask, ref)
+    return Built(case, batch, q.to(dev), cache, quant, kv, tree_mask, ref, keys, values)
 
 
 TREE_MAX = 8
@@ -330,6 +337,40 @@ def _random_tree(n: int, g: torch.Generator) -> torch.Tensor:
 
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
     return tree_ancestor_mask(parents)
+
+
+@dataclass(frozen=True)
+class CrossBatch:
+    """A batch whose queries are not the keys' last positions (cross-attention):
+    ``seq_lens`` may be shorter than the query lengths. Satisfies ``PagedBatchLike``."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+
+
+def cross_attention_case(
+    device: torch.device | str = "cpu",
+    query_lens: tuple[int, ...] = (9, 3, 1),
+    layout: KVCacheLayout = L.SPLIT_NHD,
+) -> tuple[Built, CrossBatch, torch.Tensor, torch.Tensor]:
+    """Encoder K/V of lengths 5, 17, 40 in the cache, decoder queries of ``query_lens``.
+    Returns the built cache, the batch, the queries and the float64 reference."""
+    b = build(Case(layout, causal=False, query_lens=(1, 1, 1), context_lens=(4, 16, 39)), device)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(sum(query_lens), b.case.num_heads, b.case.head_size, generator=g)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    common = b.batch.common
+    batch = CrossBatch(qsl.to(device), common.seq_lens, common.block_table, qsl, common.seq_lens_cpu,
+                       len(query_lens), max(query_lens), common.max_seq_len)
+    ref = torch.cat([attend(q[int(qsl[i]):int(qsl[i + 1])].double(), b.keys[i], b.values[i],
+                            scale=b.case.scale, causal=False) for i in range(len(query_lens))])
+    return b, batch, q.to(device), ref
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

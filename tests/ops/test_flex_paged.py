@@ -77,3 +77,16 @@ def test_eager_warning_is_silenced_only_inside_the_op() -> None:
         flex_paged_attention(b.query, b.kv, b.batch.common, scale=b.case.scale, output=b.new_output())
         assert list(warnings.filters) == before, "the op restores the filters it changed"
     assert not [w for w in seen if "flex_attention" in str(w.message)]
+
+
+@pytest.mark.parametrize("mode", ["gather", "page_table"])
+def test_flex_cross_attention(mode: str) -> None:
+    """Non-causal with more queries than keys (encoder-decoder)."""
+    from tests.ops.paged_cases import cross_attention_case
+
+    b, batch, q, ref = cross_attention_case(layout=L.SPLIT_KV_FIRST)
+    b.kv_cache.nan_to_num_(0.0)
+    out = torch.full((q.shape[0], b.case.num_heads, b.case.dv), float("nan"))
+    flex_paged_attention(q, b.kv, batch, scale=b.case.scale, output=out, causal=False,
+                         mode=mode)  # type: ignore[arg-type]
+    assert rel_err(out, ref) <= TOLERANCE[torch.float32]

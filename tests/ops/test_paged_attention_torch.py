@@ -154,3 +154,15 @@ def test_kernel_address_math_matches_readback(case: Case) -> None:
         if isinstance(rows, PerTokenHeadRows):
             assert torch.equal(kv.key.gather_scales(blocks, length), rows.key_scale)
             assert torch.equal(kv.value.gather_scales(blocks, length), rows.value_scale)
+
+
+def test_cross_attention_queries_longer_than_keys() -> None:
+    """Non-causal (encoder-decoder): 9 decoder queries over 5 encoder keys is fine."""
+    from tests.ops.paged_cases import cross_attention_case
+
+    b, batch, q, ref = cross_attention_case()
+    out = torch.full((q.shape[0], b.case.num_heads, b.case.dv), float("nan"))
+    paged_attention_torch(q, b.kv, batch, scale=b.case.scale, output=out, causal=False)
+    assert rel_err(out, ref) <= 1e-5
+    with pytest.raises(InvalidArgumentError, match=r"seq_lens\[0\]"):
+        paged_attention_torch(q, b.kv, batch, scale=b.case.scale, output=out, causal=True)

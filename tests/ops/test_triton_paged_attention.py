@@ -165,3 +165,26 @@ def test_choose_config_decode_and_prefill() -> None:
     forced = choose_config(kv, num_heads=8, num_reqs=2, max_query_len=1, max_seq_len=8192,
                            query_dtype=torch.float32, num_splits=3)
     assert forced.num_splits == 3 and forced.block_n == 32
+
+
+def test_interpreter_cross_attention() -> None:
+    _require("cpu")
+    from tests.ops.paged_cases import cross_attention_case
+    from vllm.attention.ops.triton_paged_attention import paged_attention_triton
+
+    b, batch, q, ref = cross_attention_case()
+    out = torch.full((q.shape[0], b.case.num_heads, b.case.dv), float("nan"))
+    paged_attention_triton(q, b.kv, batch, scale=b.case.scale, output=out, causal=False)
+    assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.gpu
+def test_cuda_cross_attention() -> None:
+    _require("cuda")
+    from tests.ops.paged_cases import cross_attention_case
+    from vllm.attention.ops.triton_paged_attention import paged_attention_triton
+
+    b, batch, q, ref = cross_attention_case("cuda")
+    out = torch.full((q.shape[0], b.case.num_heads, b.case.dv), float("nan"), device="cuda")
+    paged_attention_triton(q, b.kv, batch, scale=b.case.scale, output=out, causal=False)
+    assert rel_err(out, ref) <= TOLERANCE[torch.float32]

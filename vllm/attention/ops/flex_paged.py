@@ -129,7 +129,7 @@ def flex_paged_attention(
     seq_lens = batch.seq_lens_cpu.to(torch.int64)
     q_lens = starts[1:] - starts[:-1]
     ctx_lens = seq_lens - q_lens
-    if bool((ctx_lens < 0).any()):
+    if (causal or tree_mask is not None) and bool((ctx_lens < 0).any()):
         raise InvalidArgumentError("seq_lens", batch.seq_lens_cpu.tolist(),
                                    "each >= its request's query length")
     req_ids = torch.arange(batch.num_reqs)

@@ -247,6 +247,9 @@ def paged_attention_torch(
             read on the host.
         output: ``[num_tokens, num_heads, head_size_v]``; rows ``< query_start_loc[-1]``
             are written, padding rows after them are left as they are.
+        causal: queries are the last positions of their request's keys (decoder);
+            False for encoder and cross-attention, where ``seq_lens`` may be shorter
+            than the query length.
         tree_mask: ``[num_tokens, max_query_len]`` bool (module docstring), or None.
     Returns:
         ``output``.
@@ -259,7 +262,7 @@ def paged_attention_torch(
         qs, qe, length = int(starts[i]), int(starts[i + 1]), int(lens[i])
         if qe == qs:
             continue
-        if length < qe - qs:
+        if length < qe - qs and (causal or tree_mask is not None):
             raise InvalidArgumentError(f"seq_lens[{i}]", length, f">= its query length {qe - qs}")
         k, v = read_request(kv, batch.block_table[i], length, compute_dtype)
         q = query[qs:qe].to(compute_dtype)
