@@ -21,7 +21,6 @@ def mla_key_block(
     t: Any, req: Any, pos_q: Any,
     C: Any, C_SCALE: Any, C_ROPE: Any, BT: Any, TOPK: Any, stride_cb: Any, stride_cs: Any,
     stride_bt: Any, stride_kt: Any, sm_scale: Any,
-    Q_DTYPE: tl.constexpr,
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
     FORMAT: tl.constexpr, FP8_E5M2: tl.constexpr, IS_SPARSE: tl.constexpr,
     HALF_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -70,9 +69,9 @@ def mla_key_block(
         k_pe = tl.load(C + row[:, None] + KV_LORA + offs_r[None, :], mask=rope_mask,
                        other=0.0).to(tl.float32)
     if HALF_DOT:
-        k_lat_d = k_lat.to(Q_DTYPE)
+        k_lat_d = k_lat.to(q_nope.dtype)
         qk = tl.dot(q_nope, tl.trans(k_lat_d))
-        qk += tl.dot(q_pe, tl.trans(k_pe.to(Q_DTYPE)))
+        qk += tl.dot(q_pe, tl.trans(k_pe.to(q_pe.dtype)))
     else:
         k_lat_d = k_lat
         qk = tl.dot(q_nope, tl.trans(k_lat), input_precision="ieee")
@@ -84,7 +83,7 @@ def mla_key_block(
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HALF_DOT:
-        acc = acc * alpha[:, None] + tl.dot(p.to(Q_DTYPE), k_lat_d)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q_nope.dtype), k_lat_d)
     else:
         acc = acc * alpha[:, None] + tl.dot(p, k_lat_d, input_precision="ieee")
     return m_new, l_i, acc
@@ -102,7 +101,7 @@ def mla_split_kernel(
     MAX_ITERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ) -> None:
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # offsets of t can pass 2**31
     hb = tl.program_id(1)
     sp = tl.program_id(2)
     req = tl.load(TOK_REQ + t).to(tl.int64)
@@ -140,7 +139,7 @@ def mla_split_kernel(
             m_i, l_i, acc = mla_key_block(
                 n0, end, m_i, l_i, acc, q_nope, q_pe, k_scale, t, req, pos_q,
                 C, C_SCALE, C_ROPE, BT, TOPK, stride_cb, stride_cs, stride_bt, stride_kt,
-                sm_scale, Q.dtype.element_ty, KV_LORA, ROPE, PAGE, TILE, FORMAT, FP8_E5M2,
+                sm_scale, KV_LORA, ROPE, PAGE, TILE, FORMAT, FP8_E5M2,
                 IS_SPARSE, HALF_DOT, BLOCK_N, BLOCK_L, BLOCK_R)
     else:
         # the interpreter cannot bound a loop by a tensor: run the host's upper
@@ -149,7 +148,7 @@ def mla_split_kernel(
             m_i, l_i, acc = mla_key_block(
                 start + it * BLOCK_N, end, m_i, l_i, acc, q_nope, q_pe, k_scale, t, req,
                 pos_q, C, C_SCALE, C_ROPE, BT, TOPK, stride_cb, stride_cs, stride_bt,
-                stride_kt, sm_scale, Q.dtype.element_ty, KV_LORA, ROPE, PAGE, TILE, FORMAT,
+                stride_kt, sm_scale, KV_LORA, ROPE, PAGE, TILE, FORMAT,
                 FP8_E5M2, IS_SPARSE, HALF_DOT, BLOCK_N, BLOCK_L, BLOCK_R)
     seen = l_i > 0.0
     denom = tl.where(seen, l_i, 1.0)
@@ -166,7 +165,7 @@ def mla_combine_kernel(
     KV_LORA: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ) -> None:
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # offsets of t can pass 2**31
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < NUM_SPLITS
