@@ -186,8 +186,12 @@ def paged_attention_triton(
         max_seq_len=batch.max_seq_len, query_dtype=query.dtype, num_splits=num_splits,
     )
     group = hq // kv.num_kv_heads
-    if cfg.block_m < group or cfg.block_m & (cfg.block_m - 1):
-        raise InvalidArgumentError("config.block_m", cfg.block_m, f"a power of 2 >= {group}")
+    if cfg.block_m < max(16, group) or cfg.block_m & (cfg.block_m - 1):
+        raise InvalidArgumentError("config.block_m", cfg.block_m, f"a power of 2 >= max(16, {group})")
+    if cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):
+        raise InvalidArgumentError("config.block_n", cfg.block_n, "a power of 2 >= 16")
+    if cfg.num_splits < 1:
+        raise InvalidArgumentError("config.num_splits", cfg.num_splits, ">= 1")
     block_q = cfg.block_m // group
 
     q = query if query.stride(2) == 1 else query.contiguous()
@@ -195,8 +199,7 @@ def paged_attention_triton(
 
     k, v = kv.key, kv.value
     k_data, v_data = k.data, v.data
-    if kv.dequant is Dequant.PER_TOKEN_HEAD:
-        assert k.scales is not None and v.scales is not None  # set by PagedKV for this dequant
+    if kv.dequant is Dequant.PER_TOKEN_HEAD and k.scales is not None and v.scales is not None:
         ks, vs = k.scales, v.scales
         ks_strides = tuple(ks.stride())
         vs_strides = tuple(vs.stride())
