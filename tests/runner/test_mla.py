@@ -3,6 +3,9 @@ cache-free float64 recomputation of the same weights (written here, independentl
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,7 +56,11 @@ def dense_logits(model: DecoderModel, ids: list[int]) -> torch.Tensor:
         a = layer.self_attn
         n = cfg.num_attention_heads
         x = _rms(h, w(layer.input_layernorm.weight), eps)
-        q = (x @ w(a.q_proj.weight).T).view(T, n, P + R)
+        if a.q_proj is not None:
+            q = (x @ w(a.q_proj.weight).T).view(T, n, P + R)
+        else:
+            qa = _rms(x @ w(a.q_a_proj.weight).T, w(a.q_a_layernorm.weight), eps)
+            q = (qa @ w(a.q_b_proj.weight).T).view(T, n, P + R)
         lat = x @ w(a.kv_a_proj_with_mqa.weight).T
         kv_c = _rms(lat[:, :L], w(a.kv_a_layernorm.weight), eps)
         k_pe = _rope_pairs(lat[:, None, L:], pos, cfg.rope.theta)
@@ -110,3 +117,23 @@ def test_mla_without_model_follows_the_backend() -> None:
     engine = LLMEngine.create(None, backend="TRITON_MLA",
                               engine_config=EngineConfig(max_model_len=32))
     assert engine.config.architecture == "deepseek_mla"
+
+
+def test_deepseek_config_with_q_lora_and_no_weights(tmp_path: Path) -> None:
+    """A DeepSeek-V2-style config.json (q_lora_rank set) with no weights: seeded
+    random weights, served by an MLA backend, equal to the dense reference."""
+    config = {
+        "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "max_position_embeddings": 128, "q_lora_rank": 48,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 16, "qk_rope_head_dim": 64,
+        "v_head_dim": 16, "rope_theta": 10000.0, "eos_token_id": 1, "dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = LLMEngine.create(tmp_path, backend="TRITON_MLA",
+                              engine_config=EngineConfig(max_model_len=64))
+    assert engine.config.mla is not None and engine.config.mla.q_lora_rank == 48
+    prompt = [5, 6, 7, 8]
+    got = engine.generate([prompt], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0]
+    want, _ = dense_greedy(engine.model, prompt, N_NEW)
+    assert got.token_ids == want
