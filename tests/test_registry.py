@@ -68,6 +68,7 @@ def test_select_lists_every_candidate_when_none_fits(clean_registry: None) -> No
     assert "dtype=float64" in text or len(registry.list_backends()) == 1
 
 
+@pytest.mark.usefixtures("fresh_legacy_warnings")
 def test_plugins_from_entry_points_and_broken_plugin(clean_registry: None,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_entry_points(
