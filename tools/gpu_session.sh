@@ -4,8 +4,9 @@
 # Usage (on the device machine, repo root): bash tools/gpu_session.sh [tests|bench|all]
 set -u
 what=${1:-all}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/out}
+OUT=/tmp/gpu_logs
+rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if [ -d /tmp/fa4site ]; then
   export PYTHONPATH=$PYTHONPATH:/tmp/fa4site
@@ -23,7 +24,7 @@ except Exception as e:
     print("flash_attn.cute not importable:", type(e).__name__, e)
 PY
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests -x --maxfail=20 2>&1 | tail -n 150 > "$OUT/gpu_tests.txt" ; echo "pytest rc=${PIPESTATUS[0]}" >> "$OUT/gpu_tests.txt"
+  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests --maxfail=30 2>&1 | tail -n 150 > "$OUT/gpu_tests.txt" ; echo "pytest rc=${PIPESTATUS[0]}" >> "$OUT/gpu_tests.txt"
   tail -n 5 "$OUT/gpu_tests.txt"
 fi
 if [ "$what" = check ] || [ "$what" = all ]; then
@@ -38,3 +39,6 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     tail -n 25 "$OUT/$name.txt"
   done
 fi
+tar -czf "$FINAL/results.tgz" -C "$OUT" .
+cp "$OUT"/*.txt "$FINAL"/ 2>/dev/null | head -n 0
+ls "$FINAL" | head -n 8

@@ -33,7 +33,7 @@ from vllm.attention.backend import (
     PagedAttentionMetadata,
 )
 from vllm.attention.backends.vendor_kernels import VendorCall, VendorKernel
-from vllm.attention.errors import InvalidArgumentError
+from vllm.attention.errors import InvalidArgumentError, UnsupportedBackendError
 from vllm.attention.ops.flex_paged import FlexMode
 from vllm.attention.ops.paged_kv import PagedKV
 from vllm.attention.ops.reference import attend
@@ -60,6 +60,8 @@ def paged_fields(common: CommonAttentionMetadata) -> dict[str, Any]:
 def _portable_unavailable(path: PortablePath, device: torch.device) -> str | None:
     if path == "flex_attention":
         return _flex_unavailable(device)
+    if device.type != "cuda":  # as ops.paged_attention.resolve_path("auto"): no interpreter
+        return f"device={device.type}, the Triton kernels run on cuda"
     from vllm.attention.ops.paged_attention import triton_unavailable_reason
 
     return triton_unavailable_reason(device)
@@ -103,6 +105,21 @@ class StandardBackend(AttentionBackend[SM]):
                 f"one of {', '.join(sorted(cls.supported_kv_cache_dtypes))} for {cls.name}",
             )
         return writer_for_layout(cls.kv_cache_layout_for(cache_dtype))
+
+    @classmethod
+    def layer_unsupported_reasons(cls, spec: AttentionLayerSpec) -> list[str]:
+        """Why this backend cannot run a layer of ``spec``: its options only (the model
+        dtype and block size are checked when the cache is allocated and bound)."""
+        reasons = cls.unsupported_reasons(
+            dtype=min(cls.supported_dtypes, key=str), head_size=spec.head_size,
+            block_size=cls.block_sizes.examples((16, 32, 64, 128, 256))[0],
+            kv_cache_dtype=spec.kv_cache_dtype, attn_type=spec.attn_type,
+            sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
+        )
+        if spec.head_size_v not in (None, spec.head_size) and not cls.distinct_v_head_size:
+            reasons.append(f"head_size_v={spec.head_size_v}, {cls.name} needs None or "
+                           f"head_size={spec.head_size}")
+        return reasons
 
     # -- which path runs ----------------------------------------------------------------
     @classmethod
@@ -150,14 +167,11 @@ class StandardImpl(AttentionImpl[SM]):
 
     def __init__(self, spec: AttentionLayerSpec) -> None:
         super().__init__(spec)
-        b = self.backend
-        if spec.head_size_v not in (None, spec.head_size) and not b.distinct_v_head_size:
-            raise InvalidArgumentError(
-                "head_size_v", spec.head_size_v, f"None or head_size={spec.head_size} for {b.name}"
+        reasons = self.backend.layer_unsupported_reasons(spec)
+        if reasons:
+            raise UnsupportedBackendError(
+                f"{self.backend.name} cannot run this layer: " + "; ".join(reasons)
             )
-        if spec.attn_type not in b.attention_types:
-            allowed = ", ".join(sorted(t.value for t in b.attention_types))
-            raise InvalidArgumentError("attn_type", spec.attn_type.value, f"{allowed} for {b.name}")
         self.last_compute_path: ComputePath | None = None
         self.last_fallbacks: list[str] = []
 

@@ -145,9 +145,10 @@ class VendorKernel(abc.ABC):
             return f"block_size={kv.block_size}, takes {self.block_sizes.describe()}"
         if spec.logits_soft_cap is not None and not self.softcap:
             return f"logits_soft_cap={spec.logits_soft_cap}, takes none"
-        if spec.sliding_window is not None and not (self.sliding_window and call.causal):
-            return f"sliding_window={spec.sliding_window}, takes none" + (
-                "" if self.sliding_window else " (causal attention only)")
+        if spec.sliding_window is not None and not self.sliding_window:
+            return f"sliding_window={spec.sliding_window}, takes none"
+        if spec.sliding_window is not None and not call.causal:
+            return f"sliding_window={spec.sliding_window} on non-causal attention, takes causal only"
         if not call.causal and not self.non_causal:
             return "non-causal attention, takes causal only"
         if kv.k_scale.numel() > 1 and kv.cache_dtype != "auto" and not self.per_head_scales:
@@ -236,7 +237,7 @@ class FlashAttn2Kernel(VendorKernel):
     pages of a multiple of 256 tokens."""
 
     def run(self, call: VendorCall) -> None:
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn.flash_attn_interface import flash_attn_varlen_func
 
         meta, spec, n = call.meta, call.spec, call.num_tokens
         if n == 0:
@@ -264,7 +265,9 @@ FLASH_ATTN_CUTE: Final = FlashAttnCuteKernel(
 """flash-attn-4 on Hopper / Blackwell (its paged KV does not run on sm8x or sm12x)."""
 
 FLASH_ATTN_2: Final = FlashAttn2Kernel(
-    name="flash_attn", module="flash_attn", platform="cuda",
+    # flash-attn-4 alone leaves ``flash_attn`` importable as a namespace package: probe
+    # flash-attn 2's own interface module instead.
+    name="flash_attn", module="flash_attn.flash_attn_interface", platform="cuda",
     layouts=frozenset({KVCacheLayout.SPLIT_NHD}), arch_majors=frozenset({8, 9}),
     block_sizes=SizeSpec(multiple_of=256, min=256),
 )

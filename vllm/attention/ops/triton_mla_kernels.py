@@ -17,15 +17,17 @@ jit: Callable[[Callable[..., Any]], Any] = triton.jit
 
 @jit
 def mla_key_block(
-    n0: Any, end: Any, m_i: Any, l_i: Any, acc: Any, q_nope: Any, q_pe: Any, k_scale: Any,
-    t: Any, req: Any, pos_q: Any,
-    C: Any, C_SCALE: Any, C_ROPE: Any, BT: Any, TOPK: Any, stride_cb: Any, stride_cs: Any,
-    stride_bt: Any, stride_kt: Any, sm_scale: Any,
+    n0: tl.tensor, end: tl.tensor, m_i: tl.tensor, l_i: tl.tensor, acc: tl.tensor,
+    q_nope: tl.tensor, q_pe: tl.tensor, k_scale: tl.tensor,
+    t: tl.tensor, req: tl.tensor, pos_q: tl.tensor,
+    C: tl.tensor, C_SCALE: tl.tensor, C_ROPE: tl.tensor, BT: tl.tensor, TOPK: tl.tensor,
+    stride_cb: tl.tensor, stride_cs: tl.tensor, stride_bt: tl.tensor, stride_kt: tl.tensor,
+    sm_scale: tl.tensor,
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
     FORMAT: tl.constexpr, FP8_E5M2: tl.constexpr, IS_SPARSE: tl.constexpr,
     HALF_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
-) -> Any:
+) -> tl.tensor:  # (m_i, l_i, acc)
     """One block of ``BLOCK_N`` keys from ``n0``: online-softmax update."""
     offs_l = tl.arange(0, BLOCK_L)
     mask_l = offs_l < KV_LORA
@@ -88,13 +90,17 @@ def mla_key_block(
         acc = acc * alpha[:, None] + tl.dot(p, k_lat_d, input_precision="ieee")
     return m_new, l_i, acc
 
+
 @jit
 def mla_split_kernel(
-    Q: Any, C: Any, C_SCALE: Any, C_ROPE: Any, BT: Any, TOK_REQ: Any, TOK_POS: Any, TOPK:
-    Any, K_SCALE: Any, O_PART: Any, LSE_PART: Any,
-    stride_qt: Any, stride_qh: Any, stride_cb: Any, stride_cs: Any, stride_bt: Any, stride_kt: Any,
-    stride_ot: Any, stride_oh: Any, stride_os: Any, stride_lt: Any, stride_lh: Any,
-    num_heads: Any, n_topk: Any, sm_scale: Any,
+    Q: tl.tensor, C: tl.tensor, C_SCALE: tl.tensor, C_ROPE: tl.tensor, BT: tl.tensor,
+    TOK_REQ: tl.tensor, TOK_POS: tl.tensor, TOPK: tl.tensor, K_SCALE: tl.tensor,
+    O_PART: tl.tensor, LSE_PART: tl.tensor,
+    stride_qt: tl.tensor, stride_qh: tl.tensor, stride_cb: tl.tensor, stride_cs: tl.tensor,
+    stride_bt: tl.tensor, stride_kt: tl.tensor,
+    stride_ot: tl.tensor, stride_oh: tl.tensor, stride_os: tl.tensor, stride_lt: tl.tensor,
+    stride_lh: tl.tensor,
+    num_heads: tl.tensor, n_topk: tl.tensor, sm_scale: tl.tensor,
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
     FORMAT: tl.constexpr, FP8_E5M2: tl.constexpr, IS_SPARSE: tl.constexpr,
     HALF_DOT: tl.constexpr, NUM_SPLITS: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
@@ -159,9 +165,10 @@ def mla_split_kernel(
 
 @jit
 def mla_combine_kernel(
-    O_PART: Any, LSE_PART: Any, OUT: Any,
-    stride_ot: Any, stride_oh: Any, stride_os: Any, stride_lt: Any, stride_lh: Any,
-    stride_xt: Any, stride_xh: Any,
+    O_PART: tl.tensor, LSE_PART: tl.tensor, OUT: tl.tensor,
+    stride_ot: tl.tensor, stride_oh: tl.tensor, stride_os: tl.tensor, stride_lt: tl.tensor,
+    stride_lh: tl.tensor,
+    stride_xt: tl.tensor, stride_xh: tl.tensor,
     KV_LORA: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ) -> None:
