@@ -40,5 +40,5 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   done
 fi
 tar -czf "$FINAL/results.tgz" -C "$OUT" .
-cp "$OUT"/*.txt "$FINAL"/ 2>/dev/null | head -n 0
+for f in env gpu_tests check_cuda backends_cuda; do [ -f "$OUT/$f.txt" ] && cp "$OUT/$f.txt" "$FINAL/"; done
 ls "$FINAL" | head -n 8
