@@ -240,3 +240,45 @@ def test_reference_write_runs_the_checks() -> None:
     with pytest.raises(InvalidArgumentError, match="key.shape"):
         reference_write(L.LEGACY_PAGED, rows(T, H), rows(T, H, D),
                         torch.zeros(2, NB, BS * H * D), SLOTS, q())
+
+
+def test_without_triton_everything_runs_the_reference() -> None:
+    """``import vllm`` and every write work where Triton cannot be imported (as in CI)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["triton"] = None  # import triton now raises ImportError
+        import torch
+        import vllm
+        from vllm.attention import KVCacheLayout, KVQuant, KVCacheWriteError
+        from vllm.attention.writers import writer_for_layout
+        w = writer_for_layout(KVCacheLayout.SPLIT_NHD)
+        assert w.path(torch.device("cuda")) == "torch"
+        cache = torch.zeros(2, 2, 16, 2, 8)
+        k = torch.randn(3, 2, 8)
+        w.write(k, k, cache, torch.tensor([0, -1, 9]), KVQuant.unscaled("auto"))
+        try:
+            w.write(k, k, cache, torch.tensor([0, -1, 9]), KVQuant.unscaled("auto"), path="triton")
+        except KVCacheWriteError as e:
+            assert "triton is not importable" in str(e), e
+        else:
+            raise AssertionError("path='triton' without triton must be refused")
+        assert "triton" not in {m for m in sys.modules if sys.modules[m] is not None}
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_interpreted_kernels_leave_the_environment_alone() -> None:
+    import os
+
+    pytest.importorskip("triton", reason="triton is not installed")
+    from vllm.attention.ops.triton_writers import load_kernels
+
+    before = os.environ.get("TRITON_INTERPRET")
+    load_kernels(interpret=True)
+    assert os.environ.get("TRITON_INTERPRET") == before
