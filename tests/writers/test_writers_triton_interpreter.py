@@ -2,7 +2,8 @@
 tensors), against the same oracle as the reference, and byte-for-byte against the
 reference on values chosen to hit every rounding and saturation edge.
 
-Skipped (with the reason) where Triton is not importable, as in CI.
+Skipped (with the reason) where Triton is not importable, as in CI, and where
+CUDA is available (the GPU tests cover the compiled kernels on the same cases).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from vllm.attention.writers import (
 )
 
 pytest.importorskip("triton", reason="triton is not installed: the kernels cannot run here")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="CUDA is available: the compiled kernels run in test_writers_gpu.py instead",
+)
 
 F = TypeVar("F", bound=Callable[..., object])
 
