@@ -18,6 +18,7 @@ from vllm.attention import (
     KVQuant,
     MLAKVCacheWriter,
 )
+from vllm.attention.ops.triton_writers import triton_importable
 from vllm.attention.writers import (
     MLA_LAYOUTS,
     AiterShuffledKVCacheWriter,
@@ -282,3 +283,29 @@ def test_interpreted_kernels_leave_the_environment_alone() -> None:
     before = os.environ.get("TRITON_INTERPRET")
     load_kernels(interpret=True)
     assert os.environ.get("TRITON_INTERPRET") == before
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=[x.value for x in KVCacheLayout])
+@pytest.mark.parametrize("n", [0, 3], ids=["no_tokens", "all_skipped"])
+def test_nothing_to_write_on_every_layout(layout: KVCacheLayout, n: int) -> None:
+    """No token, or only skipped ones: no error, no byte changed, reads of nothing work."""
+    from tests.writers.oracle import Case, prepare, write
+    from vllm.attention.writers.readback import read_slots
+
+    cd = {L.PER_TOKEN_HEAD_QUANT: "int8_per_token_head", L.MLA_FP8_DS: "fp8_ds_mla"}.get(
+        layout, "fp8_e4m3")
+    w = prepare(Case(layout, "bf16", cd, 16, "scale_none"), num_tokens=max(n, 1))
+    w.slots = torch.full((n,), -1, dtype=torch.int64)
+    paths = ["torch"]
+    if n and triton_importable() and not torch.cuda.is_available():
+        paths.append("triton")  # the kernels, interpreted: masked programs only
+    for path in paths:
+        write(w, path)
+        assert torch.equal(w.storage.view(torch.uint8), w.before.view(torch.uint8)), path
+    extra: dict[str, object] = {"quant": w.quant, "num_kv_heads": 2, "head_size": 32,
+                                "kv_lora_rank": 64}
+    none = torch.empty(0, dtype=torch.int64)
+    rows = read_slots(layout, w.cache, none, **extra)  # type: ignore[call-overload]
+    assert all(t.shape[0] == 0 for t in rows)
+    values = read_slots(layout, w.cache, none, dequantize=True, **extra)  # type: ignore[call-overload]
+    assert all(t.shape[0] == 0 and t.dtype == torch.float32 for t in values)

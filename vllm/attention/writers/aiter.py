@@ -37,7 +37,9 @@ def reference_aiter_write(
     dt = quant.kv_cache_dtype
     k = store_values(key[:n][keep], dt, quant.k_scale, k5.dtype)
     v = store_values(value[:n][keep], dt, quant.v_scale, v5.dtype)
-    as_bits(k5).permute(0, 3, 1, 2, 4)[blocks, offsets] = as_bits(k).reshape(*k.shape[:-1], -1, x)
+    # explicit D/x, not -1: reshape cannot infer it when no slot is kept (0 rows)
+    as_bits(k5).permute(0, 3, 1, 2, 4)[blocks, offsets] = as_bits(k).reshape(
+        *k.shape[:-1], k5.shape[2], x)
     as_bits(v5).permute(0, 2, 4, 1, 3)[blocks, offsets // x, offsets % x] = as_bits(v)
 
 

@@ -41,7 +41,8 @@ def ds_mla_rope_dtype(input_dtype: torch.dtype) -> torch.dtype:
 
 def quantize_ds_mla_latent(kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Latent rows ``[n, 512]`` to ``(E4M3 [n, 512], float32 tile scales [n, 4])``."""
-    tiles = kv_c.to(torch.float32).reshape(-1, FP8_DS_MLA_LATENT // FP8_DS_MLA_TILE, FP8_DS_MLA_TILE)
+    tiles = kv_c.to(torch.float32).reshape(  # sizes spelled out: 0 rows cannot infer a -1
+        kv_c.shape[0], FP8_DS_MLA_LATENT // FP8_DS_MLA_TILE, FP8_DS_MLA_TILE)
     # Divide by device tensors: a Python scalar divisor may become a reciprocal multiply.
     amax = tiles.abs().amax(-1)
     scale = torch.maximum(amax / torch.tensor(448.0, device=kv_c.device),

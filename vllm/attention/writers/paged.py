@@ -47,8 +47,9 @@ def reference_legacy_paged_write(
     dt = quant.kv_cache_dtype
     k = store_values(key[:n][keep], dt, quant.k_scale, k5.dtype)
     v = store_values(value[:n][keep], dt, quant.v_scale, v4.dtype)
+    # explicit D/x, not -1: reshape cannot infer it when no slot is kept (0 rows)
     as_bits(k5).permute(0, 3, 1, 2, 4)[blocks, offsets] = as_bits(k).reshape(
-        *k.shape[:-1], -1, k5.shape[4])
+        *k.shape[:-1], k5.shape[2], k5.shape[4])
     as_bits(v4).permute(0, 3, 1, 2)[blocks, offsets] = as_bits(v)
 
 

@@ -195,7 +195,7 @@ def _read(layout: KVCacheLayout, kv_cache: torch.Tensor, slots: torch.Tensor, *,
         _, nb, bs, h, d = kv_cache.shape
         x = k5.shape[4]
         s = _slots(slots, kv_cache, nb * bs, checked)
-        k = _rows_of(k5.permute(0, 3, 1, 2, 4), s).reshape(-1, h, d)
+        k = _rows_of(k5.permute(0, 3, 1, 2, 4), s).reshape(s.shape[0], h, d)
         blocks, offsets = s // bs, s % bs
         v = as_bits(v5).permute(0, 2, 4, 1, 3)[blocks, offsets // x, offsets % x].view(v5.dtype)
         return KVRows(k, v)
@@ -264,8 +264,9 @@ def _dequantize(rows: StoredRows, quant: KVQuant | None) -> tuple[torch.Tensor, 
         scale = None if quant is None else quant.k_scale
         return _scaled(rows.latent, scale, "latent"), _scaled(rows.rope, scale, "rope")
     if isinstance(rows, FP8DsMLARows):
-        tiles = rows.latent.to(torch.float32).reshape(-1, FP8_DS_MLA_LATENT // FP8_DS_MLA_TILE,
+        n = rows.latent.shape[0]
+        tiles = rows.latent.to(torch.float32).reshape(n, FP8_DS_MLA_LATENT // FP8_DS_MLA_TILE,
                                                       FP8_DS_MLA_TILE)
-        latent = (tiles * rows.scales.unsqueeze(-1)).reshape(-1, FP8_DS_MLA_LATENT)
+        latent = (tiles * rows.scales.unsqueeze(-1)).reshape(n, FP8_DS_MLA_LATENT)
         return latent, rows.rope.to(torch.float32)
     raise InvalidTypeError("rows", type(rows).__name__, "rows returned by read_slots")
