@@ -361,11 +361,11 @@ _HEADER_DONE: list[bool] = []
 
 def _print_row(r: Row) -> None:
     if not _HEADER_DONE:
-        print(f"{'config':38} {'tokens':>6} {'call us':>9} {'GB/s':>7} {'/copy':>6} "
+        print(f"{'config':42} {'tokens':>6} {'call us':>9} {'GB/s':>7} {'/copy':>6} "
               f"{'kern us':>9} {'GB/s':>7} {'/copy':>6}  ref")
         _HEADER_DONE.append(True)
     ref = {None: "", True: "ok", False: "MISMATCH"}[r.matches_reference]
-    print(f"{r.config:38} {r.num_tokens:>6} {_fmt(r.call_us, '9.1f')} {_fmt(r.call_gbps, '7.1f')} "
+    print(f"{r.config:42} {r.num_tokens:>6} {_fmt(r.call_us, '9.1f')} {_fmt(r.call_gbps, '7.1f')} "
           f"{_fmt(r.call_vs_copy, '6.2f')} {_fmt(r.kernel_us, '9.1f')} "
           f"{_fmt(r.kernel_gbps, '7.1f')} {_fmt(r.kernel_vs_copy, '6.2f')}  {ref}"
           + (f"  ERROR {r.error}" if r.error else ""))
