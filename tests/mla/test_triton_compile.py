@@ -35,7 +35,7 @@ def compile_(fn, signature, consts):
     asm = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
     assert "cubin" in asm, list(asm)
 
-base = dict(KV_LORA=512, ROPE=64, PAGE=64, TILE=128, FP8_E5M2=False, NUM_SPLITS=4,
+base = dict(KV_LORA=512, ROPE=64, PAGE=64, TILE=128, FP8_E5M2=False,
             DYNAMIC_LOOP=True, MAX_ITERS=0, BLOCK_H=16, BLOCK_N=16, BLOCK_L=512, BLOCK_R=64)
 variants = [  # format, sparse, q dtype, cache dtype
     (0, False, "bf16", "bf16"),   # native cache, dense, half dots
@@ -52,7 +52,7 @@ for fmt, sparse, q, cache in variants:
              dict(base, FORMAT=fmt, IS_SPARSE=sparse, HALF_DOT=q != "fp32"))
     print("compiled split kernel", fmt, sparse, q, cache)
 compile_(k.mla_combine_kernel, {"O_PART": "*fp32", "LSE_PART": "*fp32", "OUT": "*fp32"},
-         dict(KV_LORA=512, NUM_SPLITS=4, BLOCK_S=4, BLOCK_L=512))
+         dict(KV_LORA=512, BLOCK_S=32, BLOCK_L=512))
 print("compiled combine kernel")
 '''
 

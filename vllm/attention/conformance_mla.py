@@ -121,9 +121,10 @@ def _entry(c: torch.Tensor, pe: torch.Tensor, storage: torch.dtype,
 
 def reference_rows(kv_cache: torch.Tensor, slots: torch.Tensor, quant: KVQuant,
                    kv_lora_rank: int, rope_dtype: torch.dtype) -> torch.Tensor:
-    """Cached rows at ``slots`` dequantised to float64 ``[n, L + R]``."""
+    """Cached rows at ``slots`` dequantised to float64 ``[n, L + R]`` (on the cache's
+    device: float64 is exact enough and keeps a 128-head GPU grid fast)."""
     bs = kv_cache.shape[1]
-    rows = kv_cache[slots // bs, slots % bs].cpu()
+    rows = kv_cache[slots // bs, slots % bs]
     cd = quant.kv_cache_dtype
     if cd == "fp8_ds_mla":
         lat = rows[:, :FP8_DS_MLA_LATENT].contiguous().view(torch.float8_e4m3fn).double()
@@ -142,8 +143,8 @@ def expand_latent(rows: torch.Tensor, spec: MLALayerSpec) -> tuple[torch.Tensor,
     """float64 K ``[S, N, P + R]`` and V ``[S, N, V]`` expanded from latent rows ``[S, L + R]``:
     ``k = [kv_c W_UK^T, k_pe]``, ``v = kv_c W_UV``."""
     L = spec.kv_lora_rank
-    w_uk = spec.projection.w_uk.double().cpu()
-    w_uv = spec.projection.w_uv.double().cpu()
+    w_uk = spec.projection.w_uk.double().to(rows.device)
+    w_uv = spec.projection.w_uv.double().to(rows.device)
     kv_c, k_pe = rows[:, :L], rows[:, L:]
     k_nope = torch.einsum("sl,npl->snp", kv_c, w_uk)
     k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, spec.num_heads, -1)], dim=-1)
@@ -299,7 +300,7 @@ def check_mla_compute(backend: AnyBackend, cfg: MLACheckConfig,
         return failures
     ref = _reference_output(cfg, spec, cache, batch, q, layer.kv_quant, topk)
     tol = getattr(backend, "tolerances", {}).get(cfg.dtype, 2e-2)
-    got = result.view(n_new, cfg.num_heads, cfg.v_head_dim).double().cpu()
+    got = result.view(n_new, cfg.num_heads, cfg.v_head_dim).double()
     err = float((got - ref).norm()) / max(float(ref.norm()), 1e-30)
     if not err <= tol:
         failures.append(f"{tag} compute: relative error {err:.2e} > tolerance {tol:.0e}")
@@ -310,14 +311,15 @@ def _reference_output(cfg: MLACheckConfig, spec: MLALayerSpec, cache: torch.Tens
                       batch: Any, q: torch.Tensor, quant: KVQuant,
                       topk: torch.Tensor | None) -> torch.Tensor:
     rope_dtype = torch.float16 if cfg.dtype == torch.float16 else torch.bfloat16
-    ref = torch.empty(q.shape[0], cfg.num_heads, cfg.v_head_dim, dtype=torch.float64)
+    ref = torch.empty(q.shape[0], cfg.num_heads, cfg.v_head_dim, dtype=torch.float64,
+                      device=q.device)
     ctx_at = new_at = 0
     for c, qn in zip(batch.context_lens, batch.query_lens):
         slots = torch.cat([batch.context_slots[ctx_at: ctx_at + c],
                            batch.new_slots[new_at: new_at + qn]])
         rows = reference_rows(cache, slots, quant, cfg.kv_lora_rank, rope_dtype)
         k, v = expand_latent(rows, spec)
-        q64 = q[new_at: new_at + qn].double().cpu()
+        q64 = q[new_at: new_at + qn].double()
         if topk is None:
             ref[new_at: new_at + qn] = attend(q64, k, v, scale=spec.scale, causal=True)
         else:

@@ -99,18 +99,19 @@ def _launch(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
         q.stride(0), q.stride(1), c.stride(0), c.stride(1), bt.stride(0), idx.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
         lse_part.stride(1),
-        n, topk.shape[1] if topk is not None else 0, scale,
+        n, topk.shape[1] if topk is not None else 0, scale, splits,
         KV_LORA=L, ROPE=R, PAGE=kv_cache.shape[1], TILE=FP8_DS_MLA_TILE,
         FORMAT=code, FP8_E5M2=kv_cache.dtype == torch.float8_e5m2, IS_SPARSE=topk is not None,
-        HALF_DOT=half, NUM_SPLITS=splits, DYNAMIC_LOOP=not interp,
+        HALF_DOT=half, DYNAMIC_LOOP=not interp,
         MAX_ITERS=-(-(-(-num_keys // splits)) // _BLOCK_N) + 1 if interp else 0,
         BLOCK_H=block_h, BLOCK_N=_BLOCK_N, BLOCK_L=_next_pow2(L), BLOCK_R=_next_pow2(R),
     )
     combine_kernel[(t, n)](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-        lse_part.stride(1), out.stride(0), out.stride(1),
-        KV_LORA=L, NUM_SPLITS=splits, BLOCK_S=_next_pow2(splits), BLOCK_L=_next_pow2(L),
+        lse_part.stride(1), out.stride(0), out.stride(1), splits,
+        # one compiled variant for every split count up to 32
+        KV_LORA=L, BLOCK_S=max(32, _next_pow2(splits)), BLOCK_L=_next_pow2(L),
     )
     return out
 

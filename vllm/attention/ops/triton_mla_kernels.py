@@ -100,10 +100,10 @@ def mla_split_kernel(
     stride_bt: tl.tensor, stride_kt: tl.tensor,
     stride_ot: tl.tensor, stride_oh: tl.tensor, stride_os: tl.tensor, stride_lt: tl.tensor,
     stride_lh: tl.tensor,
-    num_heads: tl.tensor, n_topk: tl.tensor, sm_scale: tl.tensor,
+    num_heads: tl.tensor, n_topk: tl.tensor, sm_scale: tl.tensor, num_splits: tl.tensor,
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
     FORMAT: tl.constexpr, FP8_E5M2: tl.constexpr, IS_SPARSE: tl.constexpr,
-    HALF_DOT: tl.constexpr, NUM_SPLITS: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
+    HALF_DOT: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
     MAX_ITERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ) -> None:
@@ -116,7 +116,7 @@ def mla_split_kernel(
         n_keys = n_topk
     else:
         n_keys = pos_q + 1
-    per_split = tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
     start = sp * per_split
     end = tl.minimum(start + per_split, n_keys)
 
@@ -168,14 +168,14 @@ def mla_combine_kernel(
     O_PART: tl.tensor, LSE_PART: tl.tensor, OUT: tl.tensor,
     stride_ot: tl.tensor, stride_oh: tl.tensor, stride_os: tl.tensor, stride_lt: tl.tensor,
     stride_lh: tl.tensor,
-    stride_xt: tl.tensor, stride_xh: tl.tensor,
-    KV_LORA: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    stride_xt: tl.tensor, stride_xh: tl.tensor, num_splits: tl.tensor,
+    KV_LORA: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ) -> None:
     t = tl.program_id(0).to(tl.int64)  # offsets of t can pass 2**31
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < num_splits
     offs_l = tl.arange(0, BLOCK_L)
     mask_l = offs_l < KV_LORA
     lse = tl.load(LSE_PART + t * stride_lt + h * stride_lh + offs_s, mask=mask_s,
