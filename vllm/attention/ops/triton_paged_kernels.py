@@ -24,7 +24,6 @@ from typing import Any
 import triton
 import triton.language as tl
 
-Pointer = Any
 """A tensor argument; a pointer inside the kernel."""
 
 jit: Callable[[Callable[..., Any]], Any] = triton.jit
@@ -34,7 +33,7 @@ LOG2E = 1.4426950408889634
 
 
 @jit
-def _find_request(qsl_ptr: Pointer, num_reqs: int, pid: Any, BLOCK_Q: tl.constexpr) -> Any:
+def _find_request(qsl_ptr: tl.tensor, num_reqs: int, pid: tl.tensor, BLOCK_Q: tl.constexpr) -> tl.tensor:
     """Request owning global query-tile ``pid``; request ``i``'s tiles start at
     ``query_start_loc[i] // BLOCK_Q + i`` (so the grid needs no host-side table)."""
     lo = 0
@@ -50,8 +49,8 @@ def _find_request(qsl_ptr: Pointer, num_reqs: int, pid: Any, BLOCK_Q: tl.constex
 
 
 @jit
-def _token_offsets(off: Any, s_hi: int, s_lo: int, SPLIT: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr) -> Any:
+def _token_offsets(off: tl.tensor, s_hi: int, s_lo: int, SPLIT: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr) -> tl.tensor:
     """In-block offset ``off`` -> element offset (``SPLIT`` = token split factor)."""
     if SPLIT == BLOCK_SIZE:
         return off * s_lo
@@ -60,8 +59,8 @@ def _token_offsets(off: Any, s_hi: int, s_lo: int, SPLIT: tl.constexpr,
 
 
 @jit
-def _dim_offsets(offs_d: Any, s_hi: int, S_LO: tl.constexpr, SPLIT: tl.constexpr,
-                 HEAD: tl.constexpr) -> Any:
+def _dim_offsets(offs_d: tl.tensor, s_hi: int, S_LO: tl.constexpr, SPLIT: tl.constexpr,
+                 HEAD: tl.constexpr) -> tl.tensor:
     """Head-dim index -> element offset (``SPLIT`` = dim split factor)."""
     if SPLIT == HEAD:
         return offs_d * S_LO
@@ -70,7 +69,7 @@ def _dim_offsets(offs_d: Any, s_hi: int, S_LO: tl.constexpr, SPLIT: tl.constexpr
 
 
 @jit
-def _dot(a: Any, b: Any, IEEE: tl.constexpr, INTERPRETER: tl.constexpr) -> Any:
+def _dot(a: tl.tensor, b: tl.tensor, IEEE: tl.constexpr, INTERPRETER: tl.constexpr) -> tl.tensor:
     """``a @ b`` in float32. The interpreter multiplies bf16 as raw uint16 bits, so
     there both sides (already rounded to the dot dtype) are widened first."""
     if INTERPRETER:
@@ -83,13 +82,13 @@ def _dot(a: Any, b: Any, IEEE: tl.constexpr, INTERPRETER: tl.constexpr) -> Any:
 
 @jit
 def _attend_tile(
-    start: Any, hi: Any, q: Any, m_i: Any, l_i: Any, acc: Any,
-    q_pos: Any, row_ok: Any, tok: Any, ctx_len: Any, kv_head: Any,
-    k_ptr: Pointer, k_sb: int, k_head: Any, k_sth: int, k_stl: int, k_dim: Any,
-    v_ptr: Pointer, v_sb: int, v_head: Any, v_sth: int, v_stl: int, v_dim: Any,
-    ks_ptr: Pointer, ks_sb: int, ks_st: int, ks_sh: int, k_sc: Any,
-    vs_ptr: Pointer, vs_sb: int, vs_st: int, vs_sh: int,
-    bt_row: Pointer, tree_ptr: Pointer, tree_s: int,
+    start: tl.tensor, hi: tl.tensor, q: tl.tensor, m_i: tl.tensor, l_i: tl.tensor, acc: tl.tensor,
+    q_pos: tl.tensor, row_ok: tl.tensor, tok: tl.tensor, ctx_len: tl.tensor, kv_head: tl.tensor,
+    k_ptr: tl.tensor, k_sb: int, k_head: tl.tensor, k_sth: int, k_stl: int, k_dim: tl.tensor,
+    v_ptr: tl.tensor, v_sb: int, v_head: tl.tensor, v_sth: int, v_stl: int, v_dim: tl.tensor,
+    ks_ptr: tl.tensor, ks_sb: int, ks_st: int, ks_sh: int, k_sc: tl.tensor,
+    vs_ptr: tl.tensor, vs_sb: int, vs_st: int, vs_sh: int,
+    bt_row: tl.tensor, tree_ptr: tl.tensor, tree_s: int,
     qk_scale: float, softcap_log2: float, window: int,
     BLOCK_N: tl.constexpr, HEAD_K: tl.constexpr, HEAD_V: tl.constexpr,
     HEAD_K_PAD: tl.constexpr, HEAD_V_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -97,7 +96,7 @@ def _attend_tile(
     DEQUANT: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
     INTERPRETER: tl.constexpr,
-) -> Any:
+) -> tl.tensor:
     """Keys ``start .. start + BLOCK_N`` (clipped to ``hi``): one online-softmax step.
     Returns the updated ``(m_i, l_i, acc)``."""
     offs_n = start + tl.arange(0, BLOCK_N)
@@ -168,16 +167,16 @@ def _attend_tile(
 
 @jit
 def paged_attention_kernel(
-    out_ptr: Pointer, out_s_t: int, out_s_h: int,
-    q_ptr: Pointer, q_s_t: int, q_s_h: int,
-    k_ptr: Pointer, k_sb: int, k_sh: int, k_sth: int, k_stl: int, k_sdh: int,
-    v_ptr: Pointer, v_sb: int, v_sh: int, v_sth: int, v_stl: int, v_sdh: int,
-    ks_ptr: Pointer, ks_sb: int, ks_st: int, ks_sh: int,
-    vs_ptr: Pointer, vs_sb: int, vs_st: int, vs_sh: int,
-    bt_ptr: Pointer, bt_s: int,
-    qsl_ptr: Pointer, seq_lens_ptr: Pointer,
-    tree_ptr: Pointer, tree_s: int,
-    ws_m_ptr: Pointer, ws_l_ptr: Pointer, ws_s_t: int,
+    out_ptr: tl.tensor, out_s_t: int, out_s_h: int,
+    q_ptr: tl.tensor, q_s_t: int, q_s_h: int,
+    k_ptr: tl.tensor, k_sb: int, k_sh: int, k_sth: int, k_stl: int, k_sdh: int,
+    v_ptr: tl.tensor, v_sb: int, v_sh: int, v_sth: int, v_stl: int, v_sdh: int,
+    ks_ptr: tl.tensor, ks_sb: int, ks_st: int, ks_sh: int,
+    vs_ptr: tl.tensor, vs_sb: int, vs_st: int, vs_sh: int,
+    bt_ptr: tl.tensor, bt_s: int,
+    qsl_ptr: tl.tensor, seq_lens_ptr: tl.tensor,
+    tree_ptr: tl.tensor, tree_s: int,
+    ws_m_ptr: tl.tensor, ws_l_ptr: tl.tensor, ws_s_t: int,
     qk_scale: float, softcap_log2: float, window: int, num_reqs: int,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_K: tl.constexpr, HEAD_V: tl.constexpr,
@@ -302,8 +301,8 @@ def paged_attention_kernel(
 
 @jit
 def reduce_splits_kernel(
-    out_ptr: Pointer, out_s_t: int, out_s_h: int,
-    acc_ptr: Pointer, m_ptr: Pointer, l_ptr: Pointer, num_heads: int,
+    out_ptr: tl.tensor, out_s_t: int, out_s_h: int,
+    acc_ptr: tl.tensor, m_ptr: tl.tensor, l_ptr: tl.tensor, num_heads: int,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HEAD_V: tl.constexpr, HEAD_V_PAD: tl.constexpr,
 ) -> None:

@@ -1,0 +1,151 @@
+"""Compile every Triton attention launch for sm_90 without a GPU.
+
+Runs representative calls of the paged-attention and MLA launchers on CPU
+tensors with the kernels replaced by recorders, then compiles each recorded
+launch ahead of time with exactly its arguments (``triton.compile`` for the
+``cuda`` target). Exit 1 if any launch fails to compile. Used by
+``tests/ops/test_triton_compile.py`` in a subprocess (the interpreter setting
+of the test process must not leak in).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+_TYPES = {torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32",
+          torch.int64: "i64", torch.float32: "fp32", torch.float16: "fp16",
+          torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+
+
+class Recorder:
+    def __init__(self, name: str, fn: Any, calls: list[tuple[str, Any, tuple, dict]]) -> None:
+        self.name, self.fn, self.calls = name, fn, calls
+
+    def __getitem__(self, grid: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> None:
+            self.calls.append((self.name, self.fn, args, kwargs))
+        return run
+
+
+def _sig(fn: Any, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[str, Any], dict]:
+    names = list(fn.arg_names)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    sig: dict[str, str] = {}
+    consts: dict[str, Any] = {}
+    for name, arg in zip(names, args):
+        if isinstance(arg, torch.Tensor):
+            sig[name] = "*" + _TYPES[arg.dtype]
+        elif isinstance(arg, bool):
+            sig[name] = "i1"
+        elif isinstance(arg, int):
+            sig[name] = "i32" if -2**31 <= arg < 2**31 else "i64"
+        elif isinstance(arg, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: {type(arg)}")
+    for name, val in kwargs.items():
+        sig[name] = "constexpr"
+        consts[name] = val
+    missing = set(names) - set(sig)
+    if missing:
+        raise TypeError(f"unbound kernel args {missing}")
+    return sig, consts, options
+
+
+def record_paged() -> list:
+    from vllm.attention import KVQuant
+    from vllm.attention.batch import make_paged_batch
+    from vllm.attention.ops import triton_paged_kernels as kern
+    from vllm.attention.ops.paged_kv import PagedKV
+    from vllm.attention.ops import triton_paged_attention as tpa
+    from vllm.attention.ops.triton_paged_attention import paged_attention_triton
+    from vllm.attention.types import KVCacheLayout
+
+    calls: list = []
+    tpa.triton_unavailable_reason = lambda device: None  # record on CPU tensors
+    tpa.interpreter_active = lambda: False
+    kern.paged_attention_kernel = Recorder("paged", kern.paged_attention_kernel, calls)
+    kern.reduce_splits_kernel = Recorder("reduce", kern.reduce_splits_kernel, calls)
+    cases = [(KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1] * 4, [300] * 4),
+             (KVCacheLayout.SPLIT_NHD, "fp8_e4m3", torch.bfloat16, [17, 1], [0, 40]),
+             (KVCacheLayout.LEGACY_PAGED, "auto", torch.float16, [3, 1], [5, 20]),
+             (KVCacheLayout.AITER_SHUFFLED, "auto", torch.bfloat16, [3, 1], [5, 20]),
+             (KVCacheLayout.PER_TOKEN_HEAD_QUANT, "int8_per_token_head", torch.bfloat16,
+              [2, 1], [0, 33])]
+    for layout, cdt, dtype, ql, cl in cases:
+        batch = make_paged_batch(ql, cl, block_size=16)
+        from vllm.attention.layouts import kv_cache_shape
+        from vllm.attention.types import cache_storage_dtype
+        shape = kv_cache_shape(layout, batch.num_blocks, 16, 2, 64)
+        cache = torch.zeros(shape, dtype=cache_storage_dtype(cdt, dtype))  # type: ignore[arg-type]
+        quant = KVQuant(cdt, torch.ones(1), torch.ones(1))  # type: ignore[arg-type]
+        kv = PagedKV.from_cache(cache, layout, quant, block_size=16, num_kv_heads=2,
+                                head_size=64)
+        n = sum(ql)
+        q = torch.zeros(n, 8, 64, dtype=dtype)
+        out = torch.zeros(n, 8, 64, dtype=dtype)
+        from vllm.attention.backend import PagedAttentionMetadata
+        meta = PagedAttentionMetadata.from_common(batch.common)
+        for sw in (None, 7):
+            paged_attention_triton(q, kv, meta, scale=0.1, output=out, causal=True,
+                                   sliding_window=sw, logits_soft_cap=None if sw else 5.0)
+    return calls
+
+
+def record_mla() -> list:
+    from vllm.attention.ops import triton_mla
+    from vllm.attention.ops import triton_mla_kernels as kern
+    from vllm.attention.ops.mla_attention import LatentFormat
+
+    calls: list = []
+    rec = (Recorder("mla_split", kern.mla_split_kernel, calls),
+           Recorder("mla_combine", kern.mla_combine_kernel, calls))
+    triton_mla._kernels = lambda interp: rec  # type: ignore[assignment]
+    triton_mla._interpreting = lambda: False
+    bt = torch.zeros(2, 4, dtype=torch.int32)
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    pos = torch.tensor([30, 100], dtype=torch.int32)
+    for cdt, storage, width in (("auto", torch.bfloat16, 576), ("fp8", torch.float8_e4m3fn, 576),
+                                ("fp8_ds_mla", torch.uint8, 656)):
+        cache = torch.zeros(4, 64, width, dtype=storage)
+        fmt = LatentFormat(cdt, 512, 64, torch.ones(1), torch.bfloat16)  # type: ignore[arg-type]
+        q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+        triton_mla.mla_decode_triton(q, cache, bt, req, pos, fmt, scale=0.1, max_seq_len=101)
+        topk = torch.zeros(2, 64, dtype=torch.int32)
+        triton_mla.mla_sparse_triton(q, cache, topk, req, pos, bt, fmt, scale=0.1)
+    return calls
+
+
+def main() -> int:
+    calls = record_paged() + record_mla()
+    failures = 0
+    seen = set()
+    for name, fn, args, kwargs in calls:
+        sig, consts, options = _sig(fn, args, dict(kwargs))
+        key = (name, tuple(sorted(sig.items())), tuple(sorted(consts.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+            print(f"ok   {name} {sorted(consts.items())[:4]}...")
+        except Exception:
+            failures += 1
+            print(f"FAIL {name}: {traceback.format_exc(limit=3)}")
+    print(f"{len(seen) - failures} compiled, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
