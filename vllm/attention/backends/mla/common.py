@@ -219,6 +219,14 @@ class MLAMetadata(AttentionMetadata):
     prefill_groups: tuple[PrefillGroup, ...]
     decode_req_ids: torch.Tensor
     """``[num_decode_reqs]`` int64 (on device): the decode requests in decode-batch order."""
+    decode_token_req: torch.Tensor
+    """``[num_decode_tokens]`` int32: ``token_req`` of the decode rows (gathered once a step)."""
+    decode_token_pos: torch.Tensor
+    """``[num_decode_tokens]`` int32: ``token_pos`` of the decode rows."""
+    decode_seq_lens: torch.Tensor
+    """``[num_decode_reqs]`` int32: the decode requests' sequence lengths."""
+    decode_block_table: torch.Tensor
+    """``[num_decode_reqs, max_blocks]`` int32: the decode requests' block-table rows."""
     max_decode_seq_len: int
     uniform_single_token_decode: bool
     """Every decode request has exactly one query token (what vendor decode kernels take)."""
@@ -304,6 +312,7 @@ def split_batch(cls: type[MT], common: CommonAttentionMetadata, *, decode_thresh
     def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device)
 
+    dec_reqs_t = t(dec_reqs, torch.int64)
     return cls(
         query_start_loc=common.query_start_loc, seq_lens=common.seq_lens,
         block_table=common.block_table, query_start_loc_cpu=common.query_start_loc_cpu,
@@ -314,7 +323,11 @@ def split_batch(cls: type[MT], common: CommonAttentionMetadata, *, decode_thresh
         decode_threshold=decode_threshold,
         decode_token_idx=t(dec_idx, torch.int64), prefill_token_idx=t(pre_idx, torch.int64),
         decode_groups=tuple(dec_groups), prefill_groups=tuple(pre_groups),
-        decode_req_ids=t(dec_reqs, torch.int64),
+        decode_req_ids=dec_reqs_t,
+        decode_token_req=t([token_req[i] for i in dec_idx], torch.int32),
+        decode_token_pos=t([token_pos[i] for i in dec_idx], torch.int32),
+        decode_seq_lens=common.seq_lens[dec_reqs_t].to(torch.int32),
+        decode_block_table=common.block_table[dec_reqs_t],
         max_decode_seq_len=max((g.seq_len for g in dec_groups), default=0),
         uniform_single_token_decode=single, prefill_chunk_tokens=prefill_chunk_tokens,
     )
@@ -473,8 +486,8 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
             from vllm.attention.ops.triton_mla import mla_decode_triton
 
             return mla_decode_triton(
-                q_lat, kv_cache, meta.block_table, meta.token_req[meta.decode_token_idx],
-                meta.token_pos[meta.decode_token_idx], fmt, scale=scale,
+                q_lat, kv_cache, meta.block_table, meta.decode_token_req, meta.decode_token_pos,
+                fmt, scale=scale,
                 max_seq_len=meta.max_decode_seq_len,
             )
         v = self.vendor
@@ -483,10 +496,8 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
                 "force_path", path,
                 "'torch', 'triton'" + (f" or {v.name!r}" if v is not None else ""),
             )
-        seq_lens = meta.seq_lens[meta.decode_req_ids]
-        block_table = meta.block_table[meta.decode_req_ids]
-        return v.decode(q_lat, kv_cache, block_table, seq_lens, meta.max_decode_seq_len,
-                        self.mla, fmt)
+        return v.decode(q_lat, kv_cache, meta.decode_block_table, meta.decode_seq_lens,
+                        meta.max_decode_seq_len, self.mla, fmt)
 
     def _forward_sparse(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: MLAMetadata,
                         fmt: LatentFormat, out3: torch.Tensor) -> None:
