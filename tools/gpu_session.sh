@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One batched session on the lent GPU machine: GPU tests, the conformance kit on
 # CUDA, the registry table, and the benchmarks. Everything lands under $OUT.
-# Usage (on the device machine, repo root): bash tools/gpu_session.sh [tests|bench|all]
+# Usage (on the device machine, repo root): bash tools/gpu_session.sh [tests] [check] [bench] | all
 set -u
-what=${1:-all}
+what=" ${*:-all} "
 FINAL=${OUT:-/tmp/out}
 OUT=/tmp/gpu_logs
 rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
@@ -23,19 +23,19 @@ try:
 except Exception as e:
     print("flash_attn.cute not importable:", type(e).__name__, e)
 PY
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if [[ "$what" == *" tests "* || "$what" == *" all "* ]]; then
   timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests --maxfail=30 2>&1 | tail -n 150 > "$OUT/gpu_tests.txt" ; echo "pytest rc=${PIPESTATUS[0]}" >> "$OUT/gpu_tests.txt"
   tail -n 5 "$OUT/gpu_tests.txt"
 fi
-if [ "$what" = check ] || [ "$what" = all ]; then
+if [[ "$what" == *" check "* || "$what" == *" all "* ]]; then
   timeout 300 python3 -m vllm.cli backends --device cuda > "$OUT/backends_cuda.txt" 2>&1
-  timeout 400 python3 -m vllm.cli check --device cuda > "$OUT/check_cuda.txt" 2>&1; echo "check rc=$?" >> "$OUT/check_cuda.txt"
+  timeout 240 python3 -m vllm.cli check --device cuda > "$OUT/check_cuda.txt" 2>&1; echo "check rc=$?" >> "$OUT/check_cuda.txt"
   tail -n 30 "$OUT/check_cuda.txt"
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if [[ "$what" == *" bench "* || "$what" == *" all "* ]]; then
   for b in benchmarks/bench_*.py; do
     name=$(basename "$b" .py)
-    timeout 240 python3 "$b" --out "$OUT" > "$OUT/$name.txt" 2>&1; echo "$name rc=$?" >> "$OUT/$name.txt"
+    timeout ${BENCH_TIMEOUT:-150} python3 "$b" --out "$OUT" > "$OUT/$name.txt" 2>&1; echo "$name rc=$?" >> "$OUT/$name.txt"
     tail -n 25 "$OUT/$name.txt"
   done
 fi
