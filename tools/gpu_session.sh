@@ -24,7 +24,7 @@ except Exception as e:
     print("flash_attn.cute not importable:", type(e).__name__, e)
 PY
 if [[ "$what" == *" tests "* || "$what" == *" all "* ]]; then
-  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests --maxfail=30 2>&1 | tail -n 150 > "$OUT/gpu_tests.txt" ; echo "pytest rc=${PIPESTATUS[0]}" >> "$OUT/gpu_tests.txt"
+  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} --maxfail=30 2>&1 | tail -n 150 > "$OUT/gpu_tests.txt" ; echo "pytest rc=${PIPESTATUS[0]}" >> "$OUT/gpu_tests.txt"
   tail -n 5 "$OUT/gpu_tests.txt"
 fi
 if [[ "$what" == *" check "* || "$what" == *" all "* ]]; then
