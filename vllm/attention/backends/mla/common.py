@@ -407,17 +407,25 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
         self.force_path: ComputePath | None = None
         """Tests and benchmarks pin a path (``torch``, ``triton`` or the vendor's)."""
         self.last_path: ComputePath | None = None
+        self._paths: dict[tuple[torch.device, int, bool], ComputePath] = {}
 
     # -- path choice --------------------------------------------------------------------
     def decode_path(self, device: torch.device, meta: MLAMetadata) -> ComputePath:
+        """The vendor kernel when it can take this step, else the portable path."""
         if self.force_path is not None:
             return self.force_path
-        v = self.vendor
-        if (v is not None and not self.is_sparse and meta.uniform_single_token_decode
-                and not v.unavailable_reasons(device, self.mla.kv_cache_dtype)
-                and not v.config_reasons(self.mla, meta.block_size)):
-            return v.name
-        return portable_path(device)
+        key = (device, meta.block_size, meta.uniform_single_token_decode)
+        path = self._paths.get(key)
+        if path is None:
+            v = self.vendor
+            if (v is not None and not self.is_sparse and meta.uniform_single_token_decode
+                    and not v.unavailable_reasons(device, self.mla.kv_cache_dtype)
+                    and not v.config_reasons(self.mla, meta.block_size)):
+                path = v.name
+            else:
+                path = portable_path(device)
+            self._paths[key] = path
+        return path
 
     # -- forward ------------------------------------------------------------------------
     def forward(
