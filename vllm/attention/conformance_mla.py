@@ -38,7 +38,8 @@ from vllm.attention.batch import make_paged_batch
 from vllm.attention.layer import MLAAttention
 from vllm.attention.layouts import FP8_DS_MLA_LATENT, FP8_DS_MLA_TILE
 from vllm.attention.ops.reference import attend
-from vllm.attention.types import KVCacheDType, KVQuant
+from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
+from vllm.attention.writers.readback import reference_write
 from vllm.forward_context import set_forward_context
 
 AnyBackend = type[AttentionBackend[Any]]
@@ -95,28 +96,12 @@ def mla_conformance_grid(backend: AnyBackend, device: str | torch.device = "cpu"
 # -- the reference writer and decoder (the oracle: short and obviously right) ----------
 def reference_mla_write(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                         slot_mapping: torch.Tensor, quant: KVQuant) -> None:
-    """``kv_cache[slot // bs, slot % bs] = entry(kv_c[i], k_pe[i])`` for ``slot >= 0``."""
-    bs = kv_cache.shape[1]
-    for i, slot in enumerate(slot_mapping.tolist()):
-        if slot >= 0:
-            kv_cache[slot // bs, slot % bs] = _entry(kv_c[i], k_pe[i], kv_cache.dtype, quant)
-
-
-def _entry(c: torch.Tensor, pe: torch.Tensor, storage: torch.dtype,
-           quant: KVQuant) -> torch.Tensor:
-    cd = quant.kv_cache_dtype
-    if cd == "fp8_ds_mla":
-        tiles = c.float().view(-1, FP8_DS_MLA_TILE)
-        scale = torch.clamp(tiles.abs().amax(-1) / 448.0, min=torch.finfo(torch.float32).tiny)
-        q = (tiles / scale[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
-        rope = pe if pe.dtype != torch.float32 else pe.to(torch.bfloat16)
-        return torch.cat([q.flatten(), scale.view(torch.uint8),
-                          rope.contiguous().view(torch.uint8)])
-    row = torch.cat([c, pe])
-    if cd in _FP8:
-        m = float(torch.finfo(_FP8[cd]).max)
-        return (row.float() / quant.k_scale[0]).clamp(-m, m).to(storage)
-    return row.to(storage)
+    """The writers' torch reference for the MLA layout of ``quant.kv_cache_dtype``
+    (one reference for the kit and the writer tests; on CUDA it divides exactly
+    as the kernels do, where a hand-rolled ``x / 448.0`` would not)."""
+    layout = (KVCacheLayout.MLA_FP8_DS if quant.kv_cache_dtype == "fp8_ds_mla"
+              else KVCacheLayout.MLA_LATENT)
+    reference_write(layout, kv_c, k_pe, kv_cache, slot_mapping, quant)
 
 
 def reference_rows(kv_cache: torch.Tensor, slots: torch.Tensor, quant: KVQuant,

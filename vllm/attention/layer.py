@@ -20,7 +20,13 @@ from vllm.attention.backend import (
     num_blocks_of,
 )
 from vllm.attention.errors import InvalidArgumentError, InvalidTypeError
-from vllm.attention.types import AttentionType, KVCacheDType, KVQuant, parse_kv_cache_dtype
+from vllm.attention.types import (
+    AttentionType,
+    KVCacheDType,
+    KVCacheLayout,
+    KVQuant,
+    parse_kv_cache_dtype,
+)
 from vllm.attention.writer import KVCacheWriter, MLAKVCacheWriter
 from vllm.attention.writers.validation import check_slots_in_range, checked_mode_from_env
 from vllm.forward_context import ForwardContext, get_forward_context
@@ -108,8 +114,38 @@ class _LayerBase(nn.Module):
                 "block_size", block_size,
                 f"{self.backend.block_sizes.describe()} for {self.backend.name}",
             )
+        self._check_cache_shape(kv_cache, block_size)
         self.kv_cache = kv_cache
         self.block_size = block_size
+        if self._k_scale.device != kv_cache.device:  # scales live with the cache
+            self._k_scale = self._k_scale.to(kv_cache.device)
+            self._v_scale = self._v_scale.to(kv_cache.device)
+
+    def _check_cache_shape(self, kv_cache: torch.Tensor, block_size: int) -> None:
+        # The writer addresses slots by the cache's own shape, checked mode by the bound
+        # block_size: a cache of another block size would pass the range check and be
+        # written out of bounds.
+        spec = self.spec
+        if spec.attn_type is AttentionType.ENCODER_ONLY:
+            return  # no cache
+        head_size = spec.head_size
+        if self.backend.kv_cache_layout_for(spec.kv_cache_dtype) is KVCacheLayout.DIFFKV_PACKED:
+            head_size += spec.v_head_size
+        want: tuple[int, ...] | None = None
+        try:
+            want = tuple(self.backend.get_kv_cache_shape(
+                num_blocks_of(self.backend, kv_cache), block_size, spec.num_kv_heads,
+                head_size, spec.kv_cache_dtype))
+        except (IndexError, ValueError):
+            pass  # a cache of the wrong rank: reported below
+        if tuple(kv_cache.shape) != want:
+            raise InvalidArgumentError(
+                "kv_cache.shape", tuple(kv_cache.shape),
+                f"{self.backend.name}'s cache shape for block_size={block_size}, "
+                f"num_kv_heads={spec.num_kv_heads}, head_size={head_size}, "
+                f"kv_cache_dtype={spec.kv_cache_dtype!r}"
+                + ("" if want is None else f": {want}"),
+            )
 
     def _context_and_metadata(self) -> tuple[ForwardContext, Any]:
         ctx = get_forward_context()

@@ -185,6 +185,8 @@ def scatter_kv_launch(
     v_scale: torch.Tensor,
 ) -> Launch:
     """:func:`scatter_kv`'s launch."""
+    if mode == 0:  # unscaled: the scale pointers are never read; keep them on the device
+        k_scale = v_scale = slot_mapping
     n = slot_mapping.shape[0]
     h = k_target.num_heads
     dk, dv = k_target.head_size, v_target.head_size
