@@ -16,7 +16,7 @@ from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
 from vllm.attention.writers.quant import as_bits, store_values
 from vllm.attention.writers.split import SPLIT_CACHE_DTYPES, kept_slots, scatter_mode
-from vllm.attention.writers.validation import check_kv_inputs, check_tensor
+from vllm.attention.writers.validation import check_cache_tensor, check_kv_inputs
 
 AITER_CACHE_DTYPES: Final[tuple[KVCacheDType, ...]] = SPLIT_CACHE_DTYPES
 
@@ -56,7 +56,7 @@ class AiterShuffledKVCacheWriter(WriterBase):
               path: WritePath | None = None) -> None:
         """See :class:`~vllm.attention.KVCacheWriter`; ``kv_cache``: ``(2, nb, bs, H, D)``
         with contiguous rows per block (they are reinterpreted)."""
-        cache = check_tensor("kv_cache", kv_cache)
+        cache = check_cache_tensor(kv_cache)
         k5, v5 = aiter_shuffled_views(cache)
         _, h, _, _, _ = k5.shape
         d = v5.shape[3]

@@ -15,7 +15,7 @@ from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase
 from vllm.attention.writers.paged import key_heads_and_size
 from vllm.attention.writers.split import SPLIT_CACHE_DTYPES, write_kv_views
-from vllm.attention.writers.validation import check_tensor
+from vllm.attention.writers.validation import check_cache_tensor
 
 DIFFKV_CACHE_DTYPES: Final[tuple[KVCacheDType, ...]] = SPLIT_CACHE_DTYPES
 
@@ -33,7 +33,7 @@ class DiffKVCacheWriter(WriterBase):
               slot_mapping: torch.Tensor, quant: KVQuant, *,
               path: WritePath | None = None) -> None:
         """See :class:`~vllm.attention.KVCacheWriter`; ``kv_cache``: ``(nb, bs, H, Dk + Dv)``."""
-        cache = check_tensor("kv_cache", kv_cache)
+        cache = check_cache_tensor(kv_cache)
         _, dk = key_heads_and_size(key)
         k_view, v_view = diffkv_views(cache, dk)
         write_kv_views(key, value, k_view, v_view, slot_mapping, quant, self.cache_dtypes,

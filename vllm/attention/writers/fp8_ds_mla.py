@@ -26,7 +26,7 @@ from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
 from vllm.attention.writers.mla import check_mla_inputs
 from vllm.attention.writers.quant import canonical_nan, to_fp8
 from vllm.attention.writers.split import kept_slots
-from vllm.attention.writers.validation import check_cache_dtype, check_quant, check_tensor
+from vllm.attention.writers.validation import check_cache_dtype, check_cache_tensor, check_quant
 
 FP8_DS_MLA_CACHE_DTYPES: Final[tuple[KVCacheDType, ...]] = ("fp8_ds_mla",)
 FLT_MIN: Final = float(torch.finfo(torch.float32).tiny)
@@ -89,7 +89,7 @@ class FP8DsMLACacheWriter(WriterBase):
         """See :class:`~vllm.attention.MLAKVCacheWriter`; ``kv_c_normed`` ``[T, 512]``,
         ``k_pe`` ``[T, 64]``, ``kv_cache`` uint8 ``(nb, bs, 656)``; ``quant``'s scales
         are unused (each tile carries its own)."""
-        cache = check_tensor("kv_cache", kv_cache)
+        cache = check_cache_tensor(kv_cache)
         kv_c, pe, slots = check_mla_inputs(kv_c_normed, k_pe, slot_mapping, cache)
         if kv_c.shape[1] != FP8_DS_MLA_LATENT:
             raise KVCacheWriteError("kv_c_normed.shape", tuple(kv_c.shape),

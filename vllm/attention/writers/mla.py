@@ -17,6 +17,7 @@ from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase
 from vllm.attention.writers.split import SPLIT_CACHE_DTYPES, scatter_kv_views
 from vllm.attention.writers.validation import (
+    check_cache_tensor,
     check_cache_dtype,
     check_quant,
     check_rows,
@@ -68,7 +69,7 @@ class MLALatentCacheWriter(WriterBase):
               path: WritePath | None = None) -> None:
         """See :class:`~vllm.attention.MLAKVCacheWriter`; ``kv_cache``: ``(nb, bs, L + R)``;
         ``quant.k_scale`` (``[1]``) scales both parts, ``v_scale`` is unused."""
-        cache = check_tensor("kv_cache", kv_cache)
+        cache = check_cache_tensor(kv_cache)
         kv_c, pe, slots = check_mla_inputs(kv_c_normed, k_pe, slot_mapping, cache)
         width = kv_c.shape[1] + pe.shape[1]
         if cache.dim() != 3 or cache.shape[2] != width:

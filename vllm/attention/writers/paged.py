@@ -17,7 +17,7 @@ from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
 from vllm.attention.writers.quant import as_bits, store_values
 from vllm.attention.writers.split import SPLIT_CACHE_DTYPES, kept_slots, scatter_mode
-from vllm.attention.writers.validation import check_kv_inputs, check_tensor
+from vllm.attention.writers.validation import check_cache_tensor, check_kv_inputs, check_tensor
 
 PAGED_CACHE_DTYPES: Final[tuple[KVCacheDType, ...]] = SPLIT_CACHE_DTYPES
 
@@ -65,7 +65,7 @@ class LegacyPagedKVCacheWriter(WriterBase):
               slot_mapping: torch.Tensor, quant: KVQuant, *,
               path: WritePath | None = None) -> None:
         """See :class:`~vllm.attention.KVCacheWriter`; ``kv_cache``: ``(2, nb, bs*H*D)``."""
-        cache = check_tensor("kv_cache", kv_cache)
+        cache = check_cache_tensor(kv_cache)
         h, d = key_heads_and_size(key)
         check_kv_inputs(key, value, slot_mapping, quant, cache=cache, num_kv_heads=h,
                         head_size=d, head_size_v=d, cache_dtypes=self.cache_dtypes)

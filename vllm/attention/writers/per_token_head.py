@@ -24,7 +24,7 @@ from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
 from vllm.attention.writers.quant import canonical_nan, to_fp8
 from vllm.attention.writers.split import kept_slots
-from vllm.attention.writers.validation import check_kv_inputs, check_tensor
+from vllm.attention.writers.validation import check_cache_tensor, check_kv_inputs
 
 PER_TOKEN_HEAD_CACHE_DTYPES: Final[tuple[KVCacheDType, ...]] = (
     "int8_per_token_head",
@@ -93,7 +93,7 @@ class PerTokenHeadKVCacheWriter(WriterBase):
               path: WritePath | None = None) -> None:
         """See :class:`~vllm.attention.KVCacheWriter`; ``kv_cache``: uint8
         ``(nb, 2, bs, H, D + 4)``, any stride order; ``quant``'s scales are unused."""
-        cache = check_tensor("kv_cache", kv_cache)
+        cache = check_cache_tensor(kv_cache)
         k_view, v_view = split_kv_views(cache, self.layout)
         _, _, h, d4 = k_view.shape
         d = d4 - PER_TOKEN_HEAD_SCALE_BYTES

@@ -18,7 +18,7 @@ from vllm.attention.ops.triton_writers import ScatterTarget, scatter_kv
 from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
 from vllm.attention.writers.quant import as_bits, store_values
-from vllm.attention.writers.validation import check_kv_inputs, check_tensor
+from vllm.attention.writers.validation import check_cache_tensor, check_kv_inputs, check_tensor
 
 SPLIT_CACHE_DTYPES: Final[tuple[KVCacheDType, ...]] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 SPLIT_LAYOUTS: Final[tuple[KVCacheLayout, ...]] = (
@@ -80,7 +80,7 @@ class SplitKVCacheWriter(WriterBase):
               path: WritePath | None = None) -> None:
         """See :class:`~vllm.attention.KVCacheWriter`; ``kv_cache`` in the layout's
         logical shape (``(nb, 2, bs, H, D)`` or ``(2, nb, bs, H, D)``), any strides."""
-        cache = check_tensor("kv_cache", kv_cache)
+        cache = check_cache_tensor(kv_cache)
         k_view, v_view = split_kv_views(cache, self.layout)
         write_kv_views(key, value, k_view, v_view, slot_mapping, quant, self.cache_dtypes,
                        path=path)

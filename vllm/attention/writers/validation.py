@@ -30,6 +30,27 @@ def check_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
+def check_cache_tensor(kv_cache: object) -> torch.Tensor:
+    """``kv_cache`` is a tensor whose elements each have their own memory.
+
+    An ``expand()``-ed or otherwise self-overlapping view would turn a write to one
+    slot into a write to others. Metadata only: axes sorted by stride must each step
+    past everything the smaller ones span (all nested layouts pass).
+    """
+    cache = check_tensor("kv_cache", kv_cache)
+    reach = 0  # the largest element offset the axes checked so far can reach
+    for stride, size in sorted((st, sz) for sz, st in zip(cache.shape, cache.stride())
+                               if sz > 1):
+        if stride <= reach:
+            raise KVCacheWriteError(
+                "kv_cache.stride", tuple(cache.stride()),
+                f"strides giving every element of shape {tuple(cache.shape)} its own memory "
+                "(no expand()-ed or overlapping axes)",
+            )
+        reach += (size - 1) * stride
+    return cache
+
+
 def check_rows(name: str, t: object, *, num_tokens: int, tail: tuple[int, ...],
                tail_desc: str) -> torch.Tensor:
     """``t`` is a float input of shape ``[>= num_tokens, *tail]``."""
