@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from vllm.attention.errors import InvalidArgumentError
 from tests.ops.paged_cases import (
     TOLERANCE,
     Case,
@@ -61,11 +62,16 @@ def _run(case: Case, device: str, **kwargs: object) -> float:
     return rel_err(out, b.reference)
 
 
+def _triton_takes(c: Case) -> bool:
+    """fp8 DiffKV is refused by the Triton path (see ``triton_rejects``)."""
+    return not (c.layout is L.DIFFKV_PACKED and c.cache_dtype != "auto")
+
+
 # -- interpreter: small shapes -------------------------------------------------------
 
 SMALL = dict(query_lens=(1, 5, 1, 9), context_lens=(0, 20, 35, 11))
 INTERP_CASES = (
-    [c.with_(**SMALL) for c in layout_cases()]
+    [c.with_(**SMALL) for c in layout_cases() if _triton_takes(c)]
     + [c.with_(query_lens=(1, 5, 1, 9), context_lens=(0, 20, 70, 11)) for c in shape_cases()
        if c.layout is L.SPLIT_NHD or c.block_size == 16]
     + [c if c.tree else c.with_(**SMALL) for c in option_cases()]
@@ -114,7 +120,7 @@ def test_interpreter_tile_spanning_pages_and_non_pow2_group() -> None:
 # -- CUDA ------------------------------------------------------------------------------
 
 GPU_CASES = (
-    [c.with_(dtype=torch.bfloat16) for c in layout_cases()]
+    [c.with_(dtype=torch.bfloat16) for c in layout_cases() if _triton_takes(c)]
     + [c.with_(dtype=torch.bfloat16, query_lens=(1, 300, 1, 64, 1), context_lens=(4000, 0, 1500, 700, 33))
        for c in shape_cases()]
     + option_cases()
@@ -188,3 +194,21 @@ def test_cuda_cross_attention() -> None:
     out = torch.full((q.shape[0], b.case.num_heads, b.case.dv), float("nan"), device="cuda")
     paged_attention_triton(q, b.kv, batch, scale=b.case.scale, output=out, causal=False)
     assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+
+
+def test_triton_refuses_fp8_diffkv_and_auto_falls_back_to_torch() -> None:
+    from vllm.attention.ops.paged_attention import paged_attention
+    from vllm.attention.ops.triton_paged_attention import triton_rejects
+
+    case = next(c for c in layout_cases() if not _triton_takes(c)).with_(**SMALL)
+    b = build(case, "cpu")
+    assert "fp8 DiffKV runs on torch" in str(triton_rejects(b.kv))
+    if _skip_reason("cpu") is None:  # the interpreter path exists: it must refuse
+        from vllm.attention.ops.triton_paged_attention import paged_attention_triton
+
+        with pytest.raises(InvalidArgumentError, match="fp8 DiffKV runs on torch"):
+            paged_attention_triton(b.query, b.kv, b.batch.common, scale=case.scale,
+                                   output=b.new_output())
+    out = b.new_output()
+    paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out)
+    assert rel_err(out, b.reference) <= TOLERANCE[case.dtype]

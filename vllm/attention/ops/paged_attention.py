@@ -304,6 +304,11 @@ def paged_attention(
     raises :class:`~vllm.attention.errors.InvalidArgumentError` where it cannot run).
     """
     chosen = resolve_path(kv.device, path)
+    if chosen == "triton" and path == "auto":
+        from vllm.attention.ops.triton_paged_attention import triton_rejects
+
+        if triton_rejects(kv) is not None:
+            chosen = "torch"
     if chosen == "triton":
         from vllm.attention.ops.triton_paged_attention import paged_attention_triton
 
