@@ -50,7 +50,19 @@ def load_kernels(interpret: bool) -> ModuleType:
     file with that variable set for the duration of the import.
     """
     if not interpret:
-        return importlib.import_module(_KERNELS)
+        # A process that set TRITON_INTERPRET (e.g. a test run without CUDA) must not
+        # turn the compiled module into interpreted functions.
+        module = sys.modules.get(_KERNELS)
+        if module is not None and type(module.scatter_kv_kernel).__name__ != "InterpretedFunction":
+            return module
+        saved = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            if module is None:
+                return importlib.import_module(_KERNELS)
+            return importlib.reload(module)
+        finally:
+            if saved is not None:
+                os.environ["TRITON_INTERPRET"] = saved
     if _KERNELS_INTERPRETED in sys.modules:
         return sys.modules[_KERNELS_INTERPRETED]
     source = importlib.util.find_spec(_KERNELS)
