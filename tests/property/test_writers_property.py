@@ -126,3 +126,15 @@ def test_empty_and_all_padding_writes_change_nothing(family: str) -> None:
         for neg, n in ((100, case.num_tokens), (0, 0)):
             run_case(dataclasses.replace(case, neg_percent=neg, num_tokens=n, duplicates=0),
                      "cpu", "torch")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_duplicate_slots_unchecked_touch_no_other_slot(family: str) -> None:
+    """Unchecked duplicates (``docs/errors.md``): the duplicated slot holds, element by
+    element, one of its tokens' values; every other slot and byte is exact."""
+    for seed in range(25):
+        case = draw_case(RandomChooser(1000 + seed), family, max_tokens=64)
+        n = max(case.num_tokens, 4)
+        num_blocks = max(case.num_blocks, -(-n // case.block_size))
+        run_case(dataclasses.replace(case, num_tokens=n, num_blocks=num_blocks,
+                                     duplicates=1 + seed % 2, neg_percent=0), "cpu", "torch")
