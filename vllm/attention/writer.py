@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from vllm.attention.rope import RoPE
 from vllm.attention.types import KVQuant
 
 
@@ -63,4 +64,65 @@ class MLAKVCacheWriter(Protocol):
             slot_mapping: ``[num_tokens]`` int64; negative entries are skipped.
             quant: cache format; ``k_scale`` scales both parts.
         """
+        ...
+
+
+@runtime_checkable
+class FusedRoPEKVCacheWriter(KVCacheWriter, Protocol):
+    """A :class:`KVCacheWriter` that can rotate (RoPE) while it writes: one kernel
+    instead of a rotation kernel, a round trip of the keys, then the write.
+
+    The layer uses it when ``supports_fused_rope`` is true and the model passes
+    ``positions``; the result is byte-identical to rotating with
+    :func:`vllm.attention.rope.rotate_reference` and then calling ``write``.
+    """
+
+    @property
+    def supports_fused_rope(self) -> bool: ...
+
+    def write_with_rope(
+        self,
+        query: torch.Tensor | None,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        quant: KVQuant,
+        positions: torch.Tensor,
+        rope: RoPE,
+    ) -> None:
+        """``write`` of the rotated keys, rotating ``query`` too.
+
+        Args:
+            query: ``[>= N, num_heads, head_size]`` or None; rows ``[0, N)`` are rotated
+                in place (``N = positions.shape[0]``).
+            key: ``[>= num_tokens, num_kv_heads, head_size]``; stored rotated, not modified.
+            value, kv_cache, slot_mapping, quant: as :meth:`KVCacheWriter.write`.
+            positions: ``[N >= num_tokens]`` int64 rows of ``rope.cos_sin_cache``.
+            rope: the table and pairing style.
+        """
+        ...
+
+
+@runtime_checkable
+class FusedRoPEMLAKVCacheWriter(MLAKVCacheWriter, Protocol):
+    """An :class:`MLAKVCacheWriter` that rotates ``k_pe`` (and the query's rope part)
+    while it writes the latent row."""
+
+    @property
+    def supports_fused_rope(self) -> bool: ...
+
+    def write_with_rope(
+        self,
+        query_pe: torch.Tensor | None,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        quant: KVQuant,
+        positions: torch.Tensor,
+        rope: RoPE,
+    ) -> None:
+        """``write`` with ``k_pe`` rotated; ``query_pe`` ``[>= N, num_heads, rope_dim]``
+        (a view into the query is fine) rotated in place, or None."""
         ...

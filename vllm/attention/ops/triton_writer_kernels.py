@@ -270,3 +270,159 @@ def fp8_ds_mla_kernel(
     k = tl.arange(0, 2)
     b = ((bits[:, None] >> (k * 8)[None, :]) & 0xFF).to(tl.uint8)
     tl.store(entry + (528 + r[:, None] * 2 + k[None, :]) * c_sj, b, mask=rmask[:, None])
+
+
+# -- fused RoPE + write -----------------------------------------------------------------
+# Rotation numerics are vllm.attention.rope's: products and sums rounded to float32
+# one by one (launched with enable_fp_fusion=False, so no FMA contraction), then
+# rounded to the input dtype with a canonical NaN, then stored or quantised exactly
+# as the plain write stores that rounded row.
+
+
+@jit
+def _widen(bits: tl.tensor, IN_KIND: tl.constexpr) -> tl.tensor:
+    """Input-dtype bits (int32 / int16) to float32, exactly."""
+    if IN_KIND == 0:
+        x = bits.to(tl.float32, bitcast=True)
+    elif IN_KIND == 1:
+        x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x
+
+
+@jit
+def _to_input_bits(y: tl.tensor, IN_KIND: tl.constexpr) -> tl.tensor:
+    """float32 to the input dtype's bits: nearest even, NaN as the canonical quiet NaN."""
+    nan = y != y
+    if IN_KIND == 0:
+        b = tl.where(nan, 0x7FC00000, y.to(tl.int32, bitcast=True))
+    elif IN_KIND == 1:
+        h = y.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        b = tl.where(nan, 0x7E00, h).to(tl.int16)
+    else:
+        b = _bf16_bits(y).to(tl.int32).to(tl.int16)
+    return b
+
+
+@jit
+def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, mask: tl.tensor,
+              IN_KIND: tl.constexpr, MODE: tl.constexpr) -> None:
+    """Store input-dtype ``bits`` as the cache stores them (MODE 0 copy, 1 E4M3, 2 E5M2)."""
+    if MODE == 0:
+        tl.store(dst, bits, mask=mask)
+    else:
+        y = tl.div_rn(_widen(bits, IN_KIND), s)
+        if MODE == 1:
+            q = _fp8_bits(_clamp_keep_nan(y, -448.0, 448.0), 3, 7)
+        else:
+            q = _fp8_bits(_clamp_keep_nan(y, -57344.0, 57344.0), 2, 15)
+        tl.store(dst, q, mask=mask)
+
+
+@jit
+def _rope_pairs(
+    base: tl.tensor, sd: tl.tensor, mask: tl.tensor, i1: tl.tensor, i2: tl.tensor,
+    c: tl.tensor, s: tl.tensor, IN_KIND: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """Rotated bits of the pairs ``(i1, i2)`` of rows ``base`` ``[BLOCK_H]``."""
+    x1 = _widen(tl.load(base[:, None] + i1[None, :] * sd, mask=mask, other=0), IN_KIND)
+    x2 = _widen(tl.load(base[:, None] + i2[None, :] * sd, mask=mask, other=0), IN_KIND)
+    o1 = x1 * c[None, :] - x2 * s[None, :]
+    o2 = x2 * c[None, :] + x1 * s[None, :]
+    return _to_input_bits(o1, IN_KIND), _to_input_bits(o2, IN_KIND)
+
+
+@jit
+def rope_kv_kernel(
+    pos_ptr: tl.tensor, pos_st: tl.tensor,
+    cs_ptr: tl.tensor, cs_sp: tl.tensor, cs_sd: tl.tensor, half: tl.tensor,
+    q_ptr: tl.tensor, q_st: tl.tensor, q_sh: tl.tensor, q_sd: tl.tensor,
+    num_q_heads: tl.tensor, q_groups: tl.tensor,
+    k_ptr: tl.tensor, k_st: tl.tensor, k_sh: tl.tensor, k_sd: tl.tensor,
+    num_kv_heads: tl.tensor, head_size_k: tl.tensor,
+    slot_ptr: tl.tensor, slot_st: tl.tensor, num_write: tl.tensor,
+    v_ptr: tl.tensor, v_st: tl.tensor, v_sh: tl.tensor, v_sd: tl.tensor, head_size_v: tl.tensor,
+    kc_ptr: tl.tensor, kc_sb: tl.tensor, kc_so_hi: tl.tensor, kc_so_lo: tl.tensor, kc_sh: tl.tensor,
+    kc_sd_hi: tl.tensor, kc_sd_lo: tl.tensor,
+    vc_ptr: tl.tensor, vc_sb: tl.tensor, vc_so_hi: tl.tensor, vc_so_lo: tl.tensor, vc_sh: tl.tensor,
+    vc_sd_hi: tl.tensor, vc_sd_lo: tl.tensor,
+    ks_ptr: tl.tensor, ks_sh: tl.tensor, vs_ptr: tl.tensor, vs_sh: tl.tensor,
+    block_size: tl.tensor,
+    IN_KIND: tl.constexpr, CS_KIND: tl.constexpr, MODE: tl.constexpr, NEOX: tl.constexpr,
+    WRITE: tl.constexpr, PASS_K: tl.constexpr,
+    K_XO: tl.constexpr, K_XD: tl.constexpr, V_XO: tl.constexpr, V_XD: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_PK: tl.constexpr, BLOCK_DV: tl.constexpr,
+) -> None:
+    """One program per (token, head group): rotate ``q`` in place (groups below
+    ``q_groups``), or rotate ``k`` and -- with WRITE -- store it and ``v`` at the token's
+    slot (tokens from ``num_write`` on and negative slots store nothing), without
+    WRITE rotate ``k`` in place. Pairs: NEOX ``(j, j + half)``, else ``(2j, 2j + 1)``;
+    key dimensions from ``2 * half`` on are stored unrotated (PASS_K). Cache addressing
+    and MODE as :func:`scatter_kv_kernel`."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    pos = tl.load(pos_ptr + t * pos_st)
+    j = tl.arange(0, BLOCK_R)
+    jm = j < half
+    c = _load_f32(cs_ptr + pos * cs_sp + j * cs_sd, jm, CS_KIND)
+    s = _load_f32(cs_ptr + pos * cs_sp + (j + half) * cs_sd, jm, CS_KIND)
+    if NEOX:
+        i1 = j
+        i2 = j + half
+    else:
+        i1 = 2 * j
+        i2 = 2 * j + 1
+    # (names differ between the branches: a runtime if merges same-named values)
+    if g < q_groups:
+        hq = (g * BLOCK_HQ + tl.arange(0, BLOCK_HQ)).to(tl.int64)
+        mq = (hq < num_q_heads)[:, None] & jm[None, :]
+        qrow = q_ptr + t * q_st + hq * q_sh
+        q1, q2 = _rope_pairs(qrow, q_sd, mq, i1, i2, c, s, IN_KIND)
+        tl.store(qrow[:, None] + i1[None, :] * q_sd, q1, mask=mq)
+        tl.store(qrow[:, None] + i2[None, :] * q_sd, q2, mask=mq)
+    else:
+        h = ((g - q_groups) * BLOCK_HK + tl.arange(0, BLOCK_HK)).to(tl.int64)
+        hm = h < num_kv_heads
+        if WRITE:
+            live = t < num_write
+            slot = tl.load(slot_ptr + t * slot_st, mask=live, other=-1)
+            ok = live & (slot >= 0)
+            m = ok & hm[:, None] & jm[None, :]
+            base = k_ptr + t * k_st + h * k_sh
+            b1, b2 = _rope_pairs(base, k_sd, m, i1, i2, c, s, IN_KIND)
+            blk = slot // block_size
+            off = slot % block_size
+            kdst = (kc_ptr + blk * kc_sb + (off // K_XO) * kc_so_hi + (off % K_XO) * kc_so_lo
+                    + h * kc_sh)
+            if MODE == 0:
+                sk = 1.0
+                sv = 1.0
+            else:
+                sk = tl.load(ks_ptr + h * ks_sh, mask=hm, other=1.0)[:, None]
+                sv = tl.load(vs_ptr + h * vs_sh, mask=hm, other=1.0)[:, None]
+            _store_as(kdst[:, None] + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, :],
+                      b1, sk, m, IN_KIND, MODE)
+            _store_as(kdst[:, None] + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, :],
+                      b2, sk, m, IN_KIND, MODE)
+            if PASS_K:
+                d = 2 * half + tl.arange(0, BLOCK_PK)
+                pm = ok & hm[:, None] & (d < head_size_k)[None, :]
+                bits = tl.load(base[:, None] + d[None, :] * k_sd, mask=pm, other=0)
+                _store_as(kdst[:, None] + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, :],
+                          bits, sk, pm, IN_KIND, MODE)
+            dv = tl.arange(0, BLOCK_DV)
+            vm = ok & hm[:, None] & (dv < head_size_v)[None, :]
+            vbits = tl.load(v_ptr + t * v_st + h[:, None] * v_sh + dv[None, :] * v_sd, mask=vm,
+                            other=0)
+            vdst = (vc_ptr + blk * vc_sb + (off // V_XO) * vc_so_hi + (off % V_XO) * vc_so_lo
+                    + h * vc_sh)
+            _store_as(vdst[:, None] + ((dv // V_XD) * vc_sd_hi + (dv % V_XD) * vc_sd_lo)[None, :],
+                      vbits, sv, vm, IN_KIND, MODE)
+        else:
+            m = hm[:, None] & jm[None, :]
+            base = k_ptr + t * k_st + h * k_sh
+            b1, b2 = _rope_pairs(base, k_sd, m, i1, i2, c, s, IN_KIND)
+            tl.store(base[:, None] + i1[None, :] * k_sd, b1, mask=m)
+            tl.store(base[:, None] + i2[None, :] * k_sd, b2, mask=m)

@@ -16,7 +16,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Final
 
@@ -177,13 +177,24 @@ class Launch:
     grid: tuple[int, ...]
     args: tuple[torch.Tensor | int, ...]
     constexprs: dict[str, int | bool]
+    options: dict[str, int | bool] = field(default_factory=dict)
+    """Compiler options (``num_warps``, ``enable_fp_fusion``, ...)."""
+    roles: tuple[str, ...] = ()
+    """For each tensor of ``args``, in order, the argument it addresses (``"key"``,
+    ``"cache"``, ...): what a cached launch recomputes its pointers from."""
 
     def run(self) -> None:
-        if self.grid[0] == 0:
-            return
+        self.launch()
+
+    def launch(self) -> object:
+        """Run through Triton's own launcher; returns what it returns (the compiled
+        kernel, for a GPU launch) or None for an empty grid."""
+        if self.grid[0] == 0 or (len(self.grid) > 1 and self.grid[1] == 0):
+            return None
         anchor = next(a for a in self.args if isinstance(a, torch.Tensor))
         fn = getattr(_kernels_for(anchor), self.kernel)
-        fn[self.grid](*self.args, **self.constexprs)
+        result: object = fn[self.grid](*self.args, **self.constexprs, **self.options)
+        return result
 
 
 def scatter_kv_launch(
@@ -197,8 +208,10 @@ def scatter_kv_launch(
     v_scale: torch.Tensor,
 ) -> Launch:
     """:func:`scatter_kv`'s launch."""
+    scale_roles = ("k_scale", "v_scale")
     if mode == 0:  # unscaled: the scale pointers are never read; keep them on the device
         k_scale = v_scale = slot_mapping
+        scale_roles = ("slots", "slots")
     n = slot_mapping.shape[0]
     h = k_target.num_heads
     dk, dv = k_target.head_size, v_target.head_size
@@ -216,6 +229,7 @@ def scatter_kv_launch(
          "K_XO": k_target.off_split, "K_XD": k_target.dim_split,
          "V_XO": v_target.off_split, "V_XD": v_target.dim_split,
          "BLOCK_H": block_h, "BLOCK_DK": block_dk, "BLOCK_DV": block_dv},
+        roles=("slots", "key", "value", "cache", "cache", *scale_roles),
     )
 
 
@@ -298,3 +312,120 @@ def fp8_ds_mla(
     """Write 656-byte entries: ``kv_c_normed`` ``[>= T, 512]``, ``k_pe`` ``[>= T, 64]``,
     ``kv_cache`` uint8 ``(nb, bs, 656)``."""
     fp8_ds_mla_launch(kv_c_normed, k_pe, kv_cache, slot_mapping).run()
+
+
+# -- fused RoPE + write -------------------------------------------------------------------
+
+ROPE_OPTIONS: Final[dict[str, int | bool]] = {"enable_fp_fusion": False}
+"""No FMA contraction: products and sums round one by one, as the torch reference does."""
+
+
+def _rope_launch(
+    query: torch.Tensor | None,
+    key: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    neox: bool,
+    write: tuple[torch.Tensor, ScatterTarget, ScatterTarget, torch.Tensor, int,
+                 torch.Tensor, torch.Tensor] | None,
+) -> Launch:
+    """``write``: ``(value, k_target, v_target, slot_mapping, mode, k_scale, v_scale)``,
+    or None to rotate ``key`` in place."""
+    n = positions.shape[0]
+    hk, dk = key.shape[1], key.shape[2]
+    half = cos_sin_cache.shape[1] // 2
+    block_r = _pow2(half)
+    pass_k = 2 * half < dk
+    block_pk = _pow2(dk - 2 * half) if pass_k else 1
+    if query is not None:
+        hq = query.shape[1]
+        block_hq = min(_pow2(hq), max(1, _MAX_TILE // (2 * block_r)))
+        q_groups = -(-hq // block_hq)
+        q_args: tuple[torch.Tensor | int, ...] = (*_rows(query), hq, q_groups)
+        q_role: tuple[str, ...] = ("query",)
+    else:
+        block_hq, q_groups = 1, 0
+        q_args = (*_rows(key), 0, 0)  # never read
+        q_role = ("key",)
+    if write is None:
+        width = 2 * block_r
+        block_dv = 1
+        rows = n
+        mode = 0
+        k_t: tuple[torch.Tensor | int, ...] = (_bits(key), 0, 0, 0, 0, 0, 0)  # never read
+        w_args: tuple[torch.Tensor | int, ...] = (
+            _bits(key), 0, 0, *_rows(key)[:4], 0, *k_t, *k_t, _bits(key), 0, _bits(key), 0, 1)
+        w_roles: tuple[str, ...] = ("key",) * 6
+        xsplit = {"K_XO": 1, "K_XD": 1, "V_XO": 1, "V_XD": 1}
+    else:
+        value, k_target, v_target, slot_mapping, mode, k_scale, v_scale = write
+        scale_roles = ("k_scale", "v_scale")
+        if mode == 0:  # unscaled: the scale pointers are never read; keep them on the device
+            k_scale = v_scale = slot_mapping
+            scale_roles = ("slots", "slots")
+        block_dv = _pow2(v_target.head_size)
+        width = max(2 * block_r, block_pk, block_dv)
+        rows = n if query is not None else slot_mapping.shape[0]
+        w_args = (slot_mapping, slot_mapping.stride(0), slot_mapping.shape[0],
+                  *_rows(value), v_target.head_size,
+                  *k_target.args(), *v_target.args(),
+                  k_scale, 0 if k_scale.numel() == 1 else k_scale.stride(0),
+                  v_scale, 0 if v_scale.numel() == 1 else v_scale.stride(0),
+                  k_target.block_size)
+        w_roles = ("slots", "value", "cache", "cache", *scale_roles)
+        xsplit = {"K_XO": k_target.off_split, "K_XD": k_target.dim_split,
+                  "V_XO": v_target.off_split, "V_XD": v_target.dim_split}
+    block_hk = min(_pow2(hk), max(1, _MAX_TILE // width))
+    kv_groups = -(-hk // block_hk)
+    return Launch(
+        "rope_kv_kernel", (rows, q_groups + kv_groups),
+        (positions, positions.stride(0),
+         _bits(cos_sin_cache), cos_sin_cache.stride(0), cos_sin_cache.stride(1), half,
+         *q_args,
+         *_rows(key), hk, dk,
+         *w_args),
+        {"IN_KIND": _IN_KIND[key.dtype], "CS_KIND": _IN_KIND[cos_sin_cache.dtype],
+         "MODE": mode, "NEOX": neox, "WRITE": write is not None, "PASS_K": pass_k, **xsplit,
+         "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_R": block_r,
+         "BLOCK_PK": block_pk, "BLOCK_DV": block_dv},
+        options=dict(ROPE_OPTIONS),
+        roles=("positions", "cos_sin", *q_role, "key", *w_roles),
+    )
+
+
+def rope_launch(
+    query: torch.Tensor | None,
+    key: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    neox: bool,
+) -> Launch:
+    """Rotate rows ``[0, positions.shape[0])`` of ``query`` and ``key`` ``[>= N, H, D]``
+    in place (``cos_sin_cache`` ``[max_position, rotary_dim]``)."""
+    if key is None:
+        if query is None:
+            raise ValueError("rope_launch: query and key are both None")
+        return _rope_launch(None, query, positions, cos_sin_cache, neox, None)
+    return _rope_launch(query, key, positions, cos_sin_cache, neox, None)
+
+
+def rope_kv_launch(
+    query: torch.Tensor | None,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_target: ScatterTarget,
+    v_target: ScatterTarget,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    neox: bool,
+    mode: int,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> Launch:
+    """Fused RoPE + write: rotate ``query`` rows ``[0, N)`` in place (``N =
+    positions.shape[0]``; None: no query), and store the rotated ``key`` rows and the
+    ``value`` rows of the ``T = slot_mapping.shape[0]`` tokens through the targets as
+    :func:`scatter_kv` does (``key`` itself is not modified)."""
+    return _rope_launch(query, key, positions, cos_sin_cache, neox,
+                        (value, k_target, v_target, slot_mapping, mode, k_scale, v_scale))

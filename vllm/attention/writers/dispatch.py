@@ -9,7 +9,7 @@ CPU tensors runs the kernels under Triton's interpreter: slow, for tests).
 from __future__ import annotations
 
 import os
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 import torch
 
@@ -52,6 +52,8 @@ class WriterBase:
 
     layout: KVCacheLayout
     cache_dtypes: tuple[KVCacheDType, ...]
+    supports_fused_rope: ClassVar[bool] = False
+    """True where ``write_with_rope`` exists (:class:`~vllm.attention.FusedRoPEKVCacheWriter`)."""
 
     def path(self, device: torch.device | str) -> WritePath:
         """``"triton"`` or ``"torch"``: what ``write`` runs for a cache on ``device``."""

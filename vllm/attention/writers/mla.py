@@ -7,7 +7,7 @@ one "head" and two operands of different widths (latent and rope).
 
 from __future__ import annotations
 
-from typing import Final
+from typing import ClassVar, Final
 
 import torch
 
@@ -15,7 +15,13 @@ from vllm.attention.errors import KVCacheWriteError
 from vllm.attention.layouts import mla_latent_views
 from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase
-from vllm.attention.writers.split import SPLIT_CACHE_DTYPES, scatter_kv_views
+from vllm.attention.rope import RoPE
+from vllm.attention.writers.split import (
+    SPLIT_CACHE_DTYPES,
+    check_rope_inputs,
+    scatter_kv_views,
+    scatter_kv_views_with_rope,
+)
 from vllm.attention.writers.validation import (
     check_cache_tensor,
     check_cache_dtype,
@@ -60,6 +66,7 @@ class MLALatentCacheWriter(WriterBase):
     """:class:`~vllm.attention.MLAKVCacheWriter` for ``KVCacheLayout.MLA_LATENT``."""
 
     layout = KVCacheLayout.MLA_LATENT
+    supports_fused_rope: ClassVar[bool] = True
 
     def __init__(self, cache_dtypes: tuple[KVCacheDType, ...] = MLA_CACHE_DTYPES) -> None:
         self.cache_dtypes = cache_dtypes
@@ -69,6 +76,31 @@ class MLALatentCacheWriter(WriterBase):
               path: WritePath | None = None) -> None:
         """See :class:`~vllm.attention.MLAKVCacheWriter`; ``kv_cache``: ``(nb, bs, L + R)``;
         ``quant.k_scale`` (``[1]``) scales both parts, ``v_scale`` is unused."""
+        kv_c, pe, slots, cache, both = self._checked(kv_c_normed, k_pe, kv_cache,
+                                                     slot_mapping, quant)
+        latent, rope = mla_latent_views(cache, kv_c.shape[1])
+        scatter_kv_views(kv_c.unsqueeze(1), pe.unsqueeze(1), latent.unsqueeze(2),
+                         rope.unsqueeze(2), slots, both, path=path)
+
+    def write_with_rope(self, query_pe: torch.Tensor | None, kv_c_normed: torch.Tensor,
+                        k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, quant: KVQuant, positions: torch.Tensor,
+                        rope: RoPE, *, path: WritePath | None = None) -> None:
+        """See :class:`~vllm.attention.FusedRoPEMLAKVCacheWriter`: one kernel rotates
+        ``query_pe`` ``[>= N, num_heads, rope_dim]`` in place and stores the latent and
+        the rotated ``k_pe``."""
+        kv_c, pe, slots, cache, both = self._checked(kv_c_normed, k_pe, kv_cache,
+                                                     slot_mapping, quant)
+        pe3 = pe.unsqueeze(1)
+        check_rope_inputs(query_pe, pe3, slots, positions, rope, cache.device)
+        latent, rope_view = mla_latent_views(cache, kv_c.shape[1])
+        # the rotated operand is the rope part: "key" = k_pe, "value" = the latent
+        scatter_kv_views_with_rope(query_pe, pe3, kv_c.unsqueeze(1), rope_view.unsqueeze(2),
+                                   latent.unsqueeze(2), slots, both, positions, rope, path=path)
+
+    def _checked(self, kv_c_normed: object, k_pe: object, kv_cache: object,
+                 slot_mapping: object, quant: object
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, KVQuant]:
         cache = check_cache_tensor(kv_cache)
         kv_c, pe, slots = check_mla_inputs(kv_c_normed, k_pe, slot_mapping, cache)
         width = kv_c.shape[1] + pe.shape[1]
@@ -80,7 +112,4 @@ class MLALatentCacheWriter(WriterBase):
             )
         q = check_quant(quant, num_kv_heads=1, device=cache.device, allowed=self.cache_dtypes)
         check_cache_dtype(cache, q.kv_cache_dtype, kv_c.dtype)
-        latent, rope = mla_latent_views(cache, kv_c.shape[1])
-        both = KVQuant(q.kv_cache_dtype, q.k_scale, q.k_scale)
-        scatter_kv_views(kv_c.unsqueeze(1), pe.unsqueeze(1), latent.unsqueeze(2),
-                         rope.unsqueeze(2), slots, both, path=path)
+        return kv_c, pe, slots, cache, KVQuant(q.kv_cache_dtype, q.k_scale, q.k_scale)

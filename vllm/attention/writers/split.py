@@ -8,13 +8,14 @@ DiffKV and the MLA latent reuse :func:`write_kv_views` with their own views.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import ClassVar, Final
 
 import torch
 
 from vllm.attention.errors import KVCacheWriteError
 from vllm.attention.layouts import split_kv_views
-from vllm.attention.ops.triton_writers import ScatterTarget, scatter_kv
+from vllm.attention.ops.triton_writers import ScatterTarget, rope_kv_launch, scatter_kv
+from vllm.attention.rope import RoPE, check_query, check_rope_args, rotate_reference
 from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
 from vllm.attention.writers.quant import as_bits, store_values
@@ -65,7 +66,10 @@ def reference_split_write(
 
 
 class SplitKVCacheWriter(WriterBase):
-    """:class:`~vllm.attention.KVCacheWriter` for a split K/V layout."""
+    """:class:`~vllm.attention.KVCacheWriter` for a split K/V layout; also a
+    :class:`~vllm.attention.FusedRoPEKVCacheWriter`."""
+
+    supports_fused_rope: ClassVar[bool] = True
 
     def __init__(self, layout: KVCacheLayout,
                  cache_dtypes: tuple[KVCacheDType, ...] = SPLIT_CACHE_DTYPES) -> None:
@@ -84,6 +88,19 @@ class SplitKVCacheWriter(WriterBase):
         k_view, v_view = split_kv_views(cache, self.layout)
         write_kv_views(key, value, k_view, v_view, slot_mapping, quant, self.cache_dtypes,
                        path=path)
+
+    def write_with_rope(self, query: torch.Tensor | None, key: torch.Tensor,
+                        value: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, quant: KVQuant, positions: torch.Tensor,
+                        rope: RoPE, *, path: WritePath | None = None) -> None:
+        """See :class:`~vllm.attention.FusedRoPEKVCacheWriter`: one kernel rotates
+        ``query`` in place and stores the rotated keys and the values."""
+        cache = check_cache_tensor(kv_cache)
+        k_view, v_view = split_kv_views(cache, self.layout)
+        validate_kv_views(key, value, k_view, v_view, slot_mapping, quant, self.cache_dtypes)
+        check_rope_inputs(query, key, slot_mapping, positions, rope, cache.device)
+        scatter_kv_views_with_rope(query, key, value, k_view, v_view, slot_mapping, quant,
+                                   positions, rope, path=path)
 
 
 def validate_kv_views(
@@ -144,3 +161,44 @@ def scatter_kv_views(
                    scatter_mode(quant.kv_cache_dtype), quant.k_scale, quant.v_scale)
     else:
         reference_split_write(key, value, k_view, v_view, slot_mapping, quant)
+
+
+def check_rope_inputs(query: object, key: torch.Tensor, slot_mapping: torch.Tensor,
+                      positions: object, rope: object, device: torch.device) -> None:
+    """The RoPE arguments of a fused write whose K/V arguments are already checked."""
+    pos, r = check_rope_args(positions, rope, num_tokens=slot_mapping.shape[0],
+                             head_size=key.shape[-1], device=device)
+    if query is not None:
+        check_query(query, rows=pos.shape[0], head_size=key.shape[-1], dtype=key.dtype,
+                    device=device)
+
+
+def scatter_kv_views_with_rope(
+    query: torch.Tensor | None,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_view: torch.Tensor,
+    v_view: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    quant: KVQuant,
+    positions: torch.Tensor,
+    rope: RoPE,
+    *,
+    path: WritePath | None = None,
+) -> None:
+    """Rotate ``query`` rows ``[0, N)`` in place and write the rotated ``key`` rows and
+    the ``value`` rows into ``[nb, bs, H, D]`` views, without the checks. The torch path
+    is the definition: :func:`~vllm.attention.rope.rotate_reference`, then
+    :func:`reference_split_write`."""
+    if resolve_path(k_view.device, path) == "triton":
+        rope_kv_launch(query, key, value, ScatterTarget.token_major(k_view),
+                       ScatterTarget.token_major(v_view), slot_mapping, positions,
+                       rope.cos_sin_cache, rope.is_neox, scatter_mode(quant.kv_cache_dtype),
+                       quant.k_scale, quant.v_scale).run()
+        return
+    n = slot_mapping.shape[0]
+    if query is not None:
+        rows = positions.shape[0]
+        query[:rows] = rotate_reference(query[:rows], positions, rope)
+    rotated = rotate_reference(key[:n], positions[:n], rope)
+    reference_split_write(rotated, value, k_view, v_view, slot_mapping, quant)
