@@ -542,8 +542,9 @@ def _rows(case: WriteCase, width: int, heads: int, gen: torch.Generator) -> torc
 
 
 def _as_input(x: torch.Tensor, case: WriteCase, dtype: torch.dtype, gen: torch.Generator,
-              other_width: int) -> torch.Tensor:
-    """``x`` ``[R, H, W]`` in ``dtype`` laid out as ``case.input_style`` says."""
+              other_width: int, device: str | torch.device) -> torch.Tensor:
+    """``x`` ``[R, H, W]`` in ``dtype`` on ``device``, laid out as ``case.input_style``
+    says (views are taken on the device: ``.to()`` would make them dense)."""
     rows, heads, width = x.shape
     style = case.input_style
     if style == "fused_slice":
@@ -552,15 +553,15 @@ def _as_input(x: torch.Tensor, case: WriteCase, dtype: torch.dtype, gen: torch.G
         buf = torch.randn(rows, total, generator=gen).to(dtype)
         start = heads * other_width + 5
         buf[:, start:start + heads * width] = x.reshape(rows, heads * width).to(dtype)
-        return buf[:, start:start + heads * width].unflatten(1, (heads, width))
+        return buf.to(device)[:, start:start + heads * width].unflatten(1, (heads, width))
     if style == "head_major":
-        return x.transpose(0, 1).contiguous().to(dtype).transpose(0, 1)
+        return x.transpose(0, 1).contiguous().to(dtype).to(device).transpose(0, 1)
     if style == "broadcast" and heads > 1:
-        return x[:, :1].to(dtype).expand(rows, heads, width)
-    return x.to(dtype).contiguous()
+        return x[:, :1].to(dtype).to(device).expand(rows, heads, width)
+    return x.to(dtype).contiguous().to(device)
 
 
-def _slots(case: WriteCase, gen: torch.Generator) -> torch.Tensor:
+def _slots(case: WriteCase, gen: torch.Generator, device: str | torch.device) -> torch.Tensor:
     n = case.num_tokens
     slots = torch.randperm(case.num_slots, generator=gen)[:n].to(torch.int64)
     if case.duplicates:
@@ -575,8 +576,8 @@ def _slots(case: WriteCase, gen: torch.Generator) -> torch.Tensor:
         # a strided view into a larger buffer whose other entries are out of range
         big = torch.full((2 * n + 3,), case.num_slots + 7, dtype=torch.int64)
         big[3::2] = slots
-        return big[3::2]
-    return slots
+        return big.to(device)[3::2]
+    return slots.to(device)
 
 
 def _scale(case: WriteCase, gen: torch.Generator) -> torch.Tensor:
@@ -606,21 +607,21 @@ def build(case: WriteCase, device: str | torch.device = "cpu") -> Built:
         rope = _rows(case, case.head_size_v, 1, gen)
         if case.input_style == "fused_slice":
             # kv_c and k_pe split out of one [R, L + R] projection, as models do
-            fused = torch.cat([latent[:, 0], rope[:, 0]], dim=-1).to(dt)
+            fused = torch.cat([latent[:, 0], rope[:, 0]], dim=-1).to(dt).to(device)
             key, value = fused.split([case.head_size, case.head_size_v], dim=-1)
         else:
-            key, value = latent[:, 0].to(dt), rope[:, 0].to(dt)
+            key, value = latent[:, 0].to(dt).to(device), rope[:, 0].to(dt).to(device)
         if case.input_style == "head_major":
             value = value.unsqueeze(1)  # k_pe as [T, 1, R]
     else:
-        key = _as_input(_rows(case, case.head_size, h, gen), case, dt, gen, case.head_size_v)
+        key = _as_input(_rows(case, case.head_size, h, gen), case, dt, gen, case.head_size_v,
+                        device)
         value = _as_input(_rows(case, case.head_size_v, h, gen), case, dt, gen,
-                          case.head_size)
-    slots = _slots(case, gen)
+                          case.head_size, device)
+    slots = _slots(case, gen, device)
     k_scale, v_scale = _scale(case, gen), _scale(case, gen)
     quant = KVQuant(case.cache_dtype, k_scale.to(device), v_scale.to(device))  # type: ignore[arg-type]
-    return Built(case, storage, before.clone(), cache, key.to(device), value.to(device),
-                 slots.to(device), quant)
+    return Built(case, storage, before.clone(), cache, key, value, slots, quant)
 
 
 # ------------------------------------------------------------------ write and check

@@ -4,7 +4,7 @@ on CUDA) and, for every fourth case, the torch reference on the GPU.
 
 Seeds are fixed (``crc32("<family>-<i>")``), so a failure names a case that
 reproduces with ``run_case(draw_case(RandomChooser(seed), family), "cuda")``.
-``VLLM_KV_GPU_SWEEP`` sets the cases per family (default 300: 2,100 in all; the
+``VLLM_KV_GPU_SWEEP`` sets the cases per family (default 200: 1,400 in all; the
 first run compiles one kernel variant per new shape class, later runs hit
 Triton's cache). Marked ``gpu``: skipped, with the reason, without CUDA.
 """
@@ -25,7 +25,7 @@ from vllm.attention.writers.validation import check_slots_in_range
 
 pytestmark = pytest.mark.gpu
 
-CASES_PER_FAMILY = int(os.environ.get("VLLM_KV_GPU_SWEEP", "300"))
+CASES_PER_FAMILY = int(os.environ.get("VLLM_KV_GPU_SWEEP", "200"))
 
 
 def sweep_seed(family: str, i: int) -> int:
