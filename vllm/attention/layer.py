@@ -1,8 +1,14 @@
 """The attention layer: write this step's K/V, then compute.
 
-This module's ``_write`` is the only code in ``vllm`` that reads ``slot_mapping``
+This module's write path is the only code in ``vllm`` that reads ``slot_mapping``
 (from the ForwardContext). Order per call: validate -> write -> connector hook ->
 compute. KV-sharing layers and encoder-only attention never write.
+
+Given ``positions`` and a :class:`~vllm.attention.rope.RoPE`, ``forward`` also
+rotates the query (in place) and the keys: in the write kernel itself when the
+writer is a :class:`~vllm.attention.FusedRoPEKVCacheWriter`, else by a rotation
+before the write. Under ``torch.compile`` the write and the compute run as the
+``vllm_kv`` custom ops (:mod:`vllm.attention.ops.custom_ops`), one graph node each.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from vllm.attention.backend import (
     num_blocks_of,
 )
 from vllm.attention.errors import InvalidArgumentError, InvalidTypeError
+from vllm.attention.ops import custom_ops
+from vllm.attention.rope import RoPE, apply_rope, check_positions_in_range, rotate_reference
 from vllm.attention.types import (
     AttentionType,
     KVCacheDType,
@@ -27,7 +35,12 @@ from vllm.attention.types import (
     KVQuant,
     parse_kv_cache_dtype,
 )
-from vllm.attention.writer import KVCacheWriter, MLAKVCacheWriter
+from vllm.attention.writer import (
+    FusedRoPEKVCacheWriter,
+    FusedRoPEMLAKVCacheWriter,
+    KVCacheWriter,
+    MLAKVCacheWriter,
+)
 from vllm.attention.writers.validation import check_slots_in_range, checked_mode_from_env
 from vllm.forward_context import ForwardContext, get_forward_context
 
@@ -84,6 +97,7 @@ class _LayerBase(nn.Module):
         self.block_size: int | None = None
         self.impl: AttentionImpl[Any] = backend.get_impl_cls()(spec)
         self._metadata_cls = backend.get_metadata_cls()
+        self._kv_quant: KVQuant | None = None
 
     @property
     def layer_name(self) -> str:
@@ -95,7 +109,11 @@ class _LayerBase(nn.Module):
 
     @property
     def kv_quant(self) -> KVQuant:
-        return KVQuant(self.spec.kv_cache_dtype, self._k_scale, self._v_scale)
+        q = self._kv_quant  # built once per pair of scale tensors: a write reads it each step
+        if q is None or q.k_scale is not self._k_scale or q.v_scale is not self._v_scale:
+            q = KVQuant(self.spec.kv_cache_dtype, self._k_scale, self._v_scale)
+            self._kv_quant = q
+        return q
 
     @property
     def writes_kv_cache(self) -> bool:
@@ -171,6 +189,25 @@ class _LayerBase(nn.Module):
             return 0
         return num_blocks_of(self.backend, self.kv_cache) * self.block_size
 
+    def _checked_positions(self, positions: torch.Tensor, rope: RoPE) -> None:
+        if self.checked:
+            check_positions_in_range(positions, rope)
+
+    def attend_for_op(self, query: torch.Tensor, key: torch.Tensor | None,
+                      value: torch.Tensor | None, kv_cache: torch.Tensor,
+                      output: torch.Tensor) -> None:
+        """``vllm_kv::attention``'s body: the impl over ``kv_cache`` into ``output``."""
+        _, meta = self._context_and_metadata()
+        result = self.impl.forward(self, query, key, value, kv_cache, meta, output)
+        if result is not output:
+            output.copy_(result)
+
+
+def _check_rope_pair(positions: torch.Tensor | None, rope: RoPE | None) -> None:
+    if (positions is None) != (rope is None):
+        raise InvalidArgumentError(
+            "positions/rope", "one of them None", "both (rotate q and k) or neither")
+
 
 class Attention(_LayerBase):
     """Multi-head / grouped-query attention over a paged cache.
@@ -222,13 +259,57 @@ class Attention(_LayerBase):
         if not isinstance(writer, KVCacheWriter):
             raise InvalidTypeError("writer", writer, "a KVCacheWriter")
         self.kv_cache_writer: KVCacheWriter = writer
+        self._fused_rope: FusedRoPEKVCacheWriter | None = (
+            writer if isinstance(writer, FusedRoPEKVCacheWriter) and writer.supports_fused_rope
+            else None)
+        self._op_key = custom_ops.register_layer(self, layer_name)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, ctx: ForwardContext) -> None:
         """The write path: the slot mapping from ``ctx`` into this layer's cache."""
+        self._write(key, value, ctx, self.kv_cache)
+
+    def _write(self, key: torch.Tensor, value: torch.Tensor, ctx: ForwardContext,
+               kv_cache: torch.Tensor) -> None:
         slots = self._slots_for_write(ctx)
-        self.kv_cache_writer.write(key, value, self.kv_cache, slots, self.kv_quant)
+        self.kv_cache_writer.write(key, value, kv_cache, slots, self.kv_quant)
         if ctx.kv_connector is not None:
-            ctx.kv_connector.on_kv_written(self.layer_name, self.kv_cache, slots)
+            ctx.kv_connector.on_kv_written(self.layer_name, kv_cache, slots)
+
+    def write_kv_with_rope(self, query: torch.Tensor | None, key: torch.Tensor,
+                           value: torch.Tensor, positions: torch.Tensor, rope: RoPE,
+                           ctx: ForwardContext) -> None:
+        """The write path with RoPE: ``query`` rotated in place, the keys rotated into
+        the cache (``key`` itself is left as it was)."""
+        self._write_with_rope(query, key, value, positions, rope, ctx, self.kv_cache)
+
+    def _write_with_rope(self, query: torch.Tensor | None, key: torch.Tensor,
+                         value: torch.Tensor, positions: torch.Tensor, rope: RoPE,
+                         ctx: ForwardContext, kv_cache: torch.Tensor) -> None:
+        slots = self._slots_for_write(ctx)
+        self._checked_positions(positions, rope)
+        fused = self._fused_rope
+        if fused is not None:
+            fused.write_with_rope(query, key, value, kv_cache, slots, self.kv_quant, positions,
+                                  rope)
+        else:
+            rotated = key.clone()
+            apply_rope(query, rotated, positions, rope)
+            self.kv_cache_writer.write(rotated, value, kv_cache, slots, self.kv_quant)
+        if ctx.kv_connector is not None:
+            ctx.kv_connector.on_kv_written(self.layer_name, kv_cache, slots)
+
+    def write_for_op(self, key: torch.Tensor, value: torch.Tensor,
+                     kv_cache: torch.Tensor) -> None:
+        """``vllm_kv::write_kv``'s body."""
+        self._write(key, value, get_forward_context(), kv_cache)
+
+    def write_rope_for_op(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: torch.Tensor, positions: torch.Tensor,
+                          cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+        """``vllm_kv::write_kv_rope``'s body."""
+        rope = RoPE(cos_sin_cache, "neox" if is_neox else "gptj")
+        self._write_with_rope(query, key, value, positions, rope, get_forward_context(),
+                              kv_cache)
 
     def forward(
         self,
@@ -236,8 +317,19 @@ class Attention(_LayerBase):
         key: torch.Tensor | None,
         value: torch.Tensor | None,
         output: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        rope: RoPE | None = None,
     ) -> torch.Tensor:
-        ctx, meta = self._context_and_metadata()
+        """Write this step's K/V, then attend.
+
+        With ``positions`` (int64 ``[N]``, N >= the step's tokens) and ``rope``, the
+        query rows ``[0, N)`` are rotated in place and the keys are rotated on their
+        way into the cache; ``key`` itself is not modified, and compute reads the
+        rotated keys from the cache (a layer without a cache write rotates a copy).
+        """
+        compiling = torch.compiler.is_compiling()
+        found = None if compiling else self._context_and_metadata()
         spec = self.spec
         flat = query.dim() == 2
         q = query.view(query.shape[0], spec.num_heads, spec.head_size) if flat else query
@@ -246,8 +338,7 @@ class Attention(_LayerBase):
                 "key/value", "one of them None", "both tensors, or both None (cross-attention "
                 "after its first step)",
             )
-        if key is not None and value is not None and self.writes_kv_cache:
-            self.write_kv(key, value, ctx)
+        _check_rope_pair(positions, rope)
         if key is None and spec.attn_type is not AttentionType.ENCODER_DECODER:
             raise InvalidArgumentError(
                 "key", None, f"a tensor for attn_type={spec.attn_type.value}"
@@ -256,8 +347,52 @@ class Attention(_LayerBase):
         if out is None:
             out = torch.empty(q.shape[0], spec.num_heads, spec.v_head_size,
                               dtype=q.dtype, device=q.device)
-        result = self.impl.forward(self, q, key, value, self.kv_cache, meta, out)
+        writes = key is not None and value is not None and self.writes_kv_cache
+        if found is None:
+            result = self._forward_ops(q, key, value, out, writes, positions, rope)
+        else:
+            ctx, meta = found
+            if writes and key is not None and value is not None:
+                if positions is not None and rope is not None:
+                    self.write_kv_with_rope(q, key, value, positions, rope, ctx)
+                else:
+                    self.write_kv(key, value, ctx)
+            elif positions is not None and rope is not None:
+                key = _rotate_without_write(q, key, positions, rope)
+            result = self.impl.forward(self, q, key, value, self.kv_cache, meta, out)
         return result.flatten(1) if flat else result
+
+    def _forward_ops(self, q: torch.Tensor, key: torch.Tensor | None,
+                     value: torch.Tensor | None, out: torch.Tensor, writes: bool,
+                     positions: torch.Tensor | None, rope: RoPE | None) -> torch.Tensor:
+        """``forward`` as custom ops: what ``torch.compile`` traces (no ForwardContext
+        access here; the ops read it when they run)."""
+        if writes and key is not None and value is not None:
+            if positions is not None and rope is not None:
+                torch.ops.vllm_kv.write_kv_rope(q, key, value, self.kv_cache, positions,
+                                                rope.cos_sin_cache, rope.is_neox, self._op_key)
+            else:
+                torch.ops.vllm_kv.write_kv(key, value, self.kv_cache, self._op_key)
+        elif positions is not None and rope is not None:
+            key = _rotate_reference_without_write(q, key, positions, rope)
+        torch.ops.vllm_kv.attention(q, key, value, self.kv_cache, out, self._op_key)
+        return out
+
+
+def _rotate_without_write(q: torch.Tensor, key: torch.Tensor | None, positions: torch.Tensor,
+                          rope: RoPE) -> torch.Tensor | None:
+    """No cache write (KV sharing, encoder-only): rotate ``q`` in place, ``key`` as a copy."""
+    rotated = None if key is None else key.clone()
+    apply_rope(q, rotated, positions, rope)
+    return rotated
+
+
+def _rotate_reference_without_write(q: torch.Tensor, key: torch.Tensor | None,
+                                    positions: torch.Tensor, rope: RoPE) -> torch.Tensor | None:
+    """:func:`_rotate_without_write` in traceable torch ops (the same bytes)."""
+    n = positions.shape[0]
+    q[:n] = rotate_reference(q[:n], positions, rope)
+    return None if key is None else rotate_reference(key, positions, rope)
 
 
 class MLAAttention(_LayerBase):
@@ -280,13 +415,69 @@ class MLAAttention(_LayerBase):
         if not isinstance(writer, MLAKVCacheWriter):
             raise InvalidTypeError("writer", writer, "an MLAKVCacheWriter")
         self.kv_cache_writer: MLAKVCacheWriter = writer
+        self._fused_rope: FusedRoPEMLAKVCacheWriter | None = (
+            writer if isinstance(writer, FusedRoPEMLAKVCacheWriter)
+            and writer.supports_fused_rope else None)
+        self._op_key = custom_ops.register_layer(self, layer_name)
 
     def write_latent(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
                      ctx: ForwardContext) -> None:
+        self._write(kv_c_normed, k_pe, ctx, self.kv_cache)
+
+    def _write(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, ctx: ForwardContext,
+               kv_cache: torch.Tensor) -> None:
         slots = self._slots_for_write(ctx)
-        self.kv_cache_writer.write(kv_c_normed, k_pe, self.kv_cache, slots, self.kv_quant)
+        self.kv_cache_writer.write(kv_c_normed, k_pe, kv_cache, slots, self.kv_quant)
         if ctx.kv_connector is not None:
-            ctx.kv_connector.on_kv_written(self.layer_name, self.kv_cache, slots)
+            ctx.kv_connector.on_kv_written(self.layer_name, kv_cache, slots)
+
+    def write_latent_with_rope(self, q_pe: torch.Tensor | None, kv_c_normed: torch.Tensor,
+                               k_pe: torch.Tensor, positions: torch.Tensor, rope: RoPE,
+                               ctx: ForwardContext) -> None:
+        """The write path with RoPE: ``q_pe`` ``[N, num_heads, rope_dim]`` (a view of the
+        query) rotated in place, ``k_pe`` rotated into the cache (not modified)."""
+        self._write_with_rope(q_pe, kv_c_normed, k_pe, positions, rope, ctx, self.kv_cache)
+
+    def _write_with_rope(self, q_pe: torch.Tensor | None, kv_c_normed: torch.Tensor,
+                         k_pe: torch.Tensor, positions: torch.Tensor, rope: RoPE,
+                         ctx: ForwardContext, kv_cache: torch.Tensor) -> None:
+        slots = self._slots_for_write(ctx)
+        self._checked_positions(positions, rope)
+        fused = self._fused_rope
+        if fused is not None:
+            fused.write_with_rope(q_pe, kv_c_normed, k_pe, kv_cache, slots, self.kv_quant,
+                                  positions, rope)
+        else:
+            rotated = k_pe.reshape(k_pe.shape[0], 1, k_pe.shape[-1]).clone()
+            apply_rope(q_pe, rotated, positions, rope)
+            self.kv_cache_writer.write(kv_c_normed, rotated, kv_cache, slots, self.kv_quant)
+        if ctx.kv_connector is not None:
+            ctx.kv_connector.on_kv_written(self.layer_name, kv_cache, slots)
+
+    def _q_pe(self, q: torch.Tensor) -> torch.Tensor:
+        return q[..., q.shape[-1] - self._rope_dim():]
+
+    def _rope_dim(self) -> int:
+        from vllm.attention.backends.mla.common import MLALayerSpec
+
+        spec = self.spec
+        if not isinstance(spec, MLALayerSpec):
+            raise InvalidTypeError("spec", type(spec).__name__, "an MLALayerSpec")
+        return spec.qk_rope_head_dim
+
+    def write_for_op(self, key: torch.Tensor, value: torch.Tensor,
+                     kv_cache: torch.Tensor) -> None:
+        """``vllm_kv::write_kv``'s body (``key`` is ``kv_c_normed``, ``value`` ``k_pe``)."""
+        self._write(key, value, get_forward_context(), kv_cache)
+
+    def write_rope_for_op(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: torch.Tensor, positions: torch.Tensor,
+                          cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+        """``vllm_kv::write_kv_rope``'s body: ``query`` is the full ``[T, N, P + R]`` query,
+        whose rope part is rotated in place."""
+        rope = RoPE(cos_sin_cache, "neox" if is_neox else "gptj")
+        self._write_with_rope(self._q_pe(query), key, value, positions, rope,
+                              get_forward_context(), kv_cache)
 
     def forward(
         self,
@@ -294,6 +485,9 @@ class MLAAttention(_LayerBase):
         kv_c_normed: torch.Tensor,
         k_pe: torch.Tensor,
         output: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        rope: RoPE | None = None,
     ) -> torch.Tensor:
         """Write this step's latent rows, then attend.
 
@@ -301,6 +495,8 @@ class MLAAttention(_LayerBase):
             q: ``[T, num_heads, qk_nope_head_dim + qk_rope_head_dim]`` (or flattened).
             kv_c_normed: ``[T, kv_lora_rank]``; k_pe: ``[T, rope_dim]`` (or ``[T, 1, R]``).
             output: ``[T, num_heads * v_head_dim]``, allocated when None.
+            positions, rope: rotate the query's rope part (in place) and ``k_pe`` (into
+                the cache; ``k_pe`` itself is not modified), fused where the writer can.
         Returns:
             ``output``.
         """
@@ -309,13 +505,36 @@ class MLAAttention(_LayerBase):
         spec = self.spec
         if not isinstance(spec, MLALayerSpec):
             raise InvalidTypeError("spec", type(spec).__name__, "an MLALayerSpec")
-        ctx, meta = self._context_and_metadata()
+        compiling = torch.compiler.is_compiling()
+        found = None if compiling else self._context_and_metadata()
+        _check_rope_pair(positions, rope)
         if q.dim() == 2:
             q = q.view(q.shape[0], spec.num_heads, spec.qk_head_dim)
-        if self.writes_kv_cache:
-            self.write_latent(kv_c_normed, k_pe, ctx)
         out = output
         if out is None:
             out = torch.empty(q.shape[0], spec.num_heads * spec.v_head_dim, dtype=q.dtype,
                               device=q.device)
+        if found is None:
+            if self.writes_kv_cache:
+                if positions is not None and rope is not None:
+                    torch.ops.vllm_kv.write_kv_rope(q, kv_c_normed, k_pe, self.kv_cache,
+                                                    positions, rope.cos_sin_cache, rope.is_neox,
+                                                    self._op_key)
+                else:
+                    torch.ops.vllm_kv.write_kv(kv_c_normed, k_pe, self.kv_cache, self._op_key)
+            elif positions is not None and rope is not None:
+                q_pe = self._q_pe(q)
+                n = positions.shape[0]
+                q_pe[:n] = rotate_reference(q_pe[:n], positions, rope)
+            torch.ops.vllm_kv.attention(q, kv_c_normed, k_pe, self.kv_cache, out, self._op_key)
+            return out
+        ctx, meta = found
+        if self.writes_kv_cache:
+            if positions is not None and rope is not None:
+                self.write_latent_with_rope(self._q_pe(q), kv_c_normed, k_pe, positions, rope,
+                                            ctx)
+            else:
+                self.write_latent(kv_c_normed, k_pe, ctx)
+        elif positions is not None and rope is not None:
+            apply_rope(self._q_pe(q), None, positions, rope)
         return self.impl.forward(self, q, kv_c_normed, k_pe, self.kv_cache, meta, out)
