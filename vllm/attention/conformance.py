@@ -319,17 +319,27 @@ def check_backend(backend: AnyBackend | str, device: str | torch.device = "cpu",
     if blockers:
         report.skipped.append(f"{cls.name} on {dev}: " + "; ".join(blockers))
         return report
+    writer = cls.get_kv_cache_writer("auto")
+    path = getattr(writer, "path", None)
+    report.writer_path = str(path(dev)) if callable(path) else "torch"
     if cls.is_mla:
-        from vllm.attention.conformance_mla import check_mla_backend
+        from vllm.attention.conformance_mla import (
+            check_mla_config,
+            check_no_slot_mapping,
+            mla_conformance_grid,
+        )
 
-        report.failures.extend(check_mla_backend(cls, dev))
+        report.failures.extend(check_no_slot_mapping(cls))
+        mla_grid = mla_conformance_grid(cls, dev, thorough=thorough)
+        for i, mla_cfg in enumerate(mla_grid[:max_configs]):
+            failures = check_mla_config(cls, mla_cfg, seed=seed + i)
+            report.failures.extend(failures)
+            if not failures:
+                report.passed.append(mla_cfg.id)
         return report
     if cls.kv_cache_layout in (KVCacheLayout.MLA_LATENT, KVCacheLayout.MLA_FP8_DS):
         report.failures.append(f"{cls.name}: MLA layout but is_mla=False")
         return report
-    writer = cls.get_kv_cache_writer("auto")
-    path = getattr(writer, "path", None)
-    report.writer_path = str(path(dev)) if callable(path) else "torch"
     grid = conformance_grid(cls, str(dev), thorough=thorough)
     for i, cfg in enumerate(grid[:max_configs]):
         failures = check_config(cls, cfg, seed=seed + i)
