@@ -100,7 +100,8 @@ class _StepBatch:
     num_tokens: int
     padded_tokens: int
     attn_metadata: dict[str, AttentionMetadata]
-    slot_mapping: dict[str, torch.Tensor]
+    slot_mappings: dict[str, torch.Tensor]
+    """Built here, handed to the ForwardContext; no metadata holds it."""
     sample_rows: list[int] = field(default_factory=list)
     sample_requests: list[Request] = field(default_factory=list)
     graph: bool = False
@@ -295,7 +296,7 @@ class LLMEngine:
         with torch.inference_mode():
             batch = self._prepare(out)
             with set_forward_context(attn_metadata=batch.attn_metadata,
-                                     slot_mapping=batch.slot_mapping,
+                                     slot_mapping=batch.slot_mappings,
                                      num_tokens=batch.padded_tokens,
                                      kv_connector=self.kv_connector):
                 if batch.graph and self.graphs is not None:
@@ -365,7 +366,7 @@ class LLMEngine:
             input_ids=torch.tensor(ids + [0] * pad, dtype=torch.int64).to(dev),
             positions=torch.tensor(pos + [0] * pad, dtype=torch.int64).to(dev),
             num_tokens=n, padded_tokens=padded, attn_metadata=attn_metadata,
-            slot_mapping=slot_mapping, sample_rows=sample_rows, sample_requests=sample_reqs,
+            slot_mappings=slot_mapping, sample_rows=sample_rows, sample_requests=sample_reqs,
             graph=graph,
         )
 
