@@ -32,7 +32,8 @@ def caller_stacklevel() -> int:
     level = 1
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
-        internal = filename.startswith(_PACKAGE_DIRS) or "importlib" in filename
+        internal = (filename.startswith(_PACKAGE_DIRS) or "importlib" in filename
+                    or frame.f_code.co_filename.startswith("<frozen"))
         if not internal:
             return level
         frame = frame.f_back  # type: ignore[assignment]

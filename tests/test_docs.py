@@ -26,4 +26,4 @@ def test_python_blocks_run(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     namespace: dict[str, object] = {"__name__": f"doc_{path.stem}"}
     for lang, code in blocks:
         if lang == "python":
-            exec(compile(code, f"{path.name}", "exec"), namespace)
+            exec(compile(code, f"{path.name}", "exec", dont_inherit=True), namespace)

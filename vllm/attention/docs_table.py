@@ -99,7 +99,7 @@ def in_tree_backends() -> list[AnyBackend]:
     """The backends that ship with the package, in selection priority order."""
     # The registry's in-tree table, not list_backends(): plugins installed here
     # (or registered by a test) must not change what the README says ships.
-    return [registry.get_backend(name) for name in registry._IN_TREE]
+    return [registry.get_backend(name) for name in registry.in_tree_names()]
 
 
 def render_table(backends: Sequence[AnyBackend] | None = None) -> str:

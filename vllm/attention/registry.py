@@ -189,6 +189,11 @@ def list_backends() -> list[str]:
         return list(_entries)
 
 
+def in_tree_names() -> list[str]:
+    """Names of the backends that ship with this package (plugins excluded)."""
+    return list(_IN_TREE)
+
+
 def list_entries() -> list[BackendEntry]:
     """Registry rows with their load state (the CLI table reads these)."""
     _init()
