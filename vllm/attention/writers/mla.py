@@ -13,14 +13,15 @@ import torch
 
 from vllm.attention.errors import KVCacheWriteError
 from vllm.attention.layouts import mla_latent_views
-from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
-from vllm.attention.writers.dispatch import WritePath, WriterBase
 from vllm.attention.rope import RoPE
+from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
+from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
+from vllm.attention.writers.launch_cache import SignatureCache, rope_signature, write_signature
 from vllm.attention.writers.split import (
     SPLIT_CACHE_DTYPES,
     check_rope_inputs,
-    scatter_kv_views,
-    scatter_kv_views_with_rope,
+    rope_runner,
+    views_runner,
 )
 from vllm.attention.writers.validation import (
     check_cache_tensor,
@@ -70,17 +71,24 @@ class MLALatentCacheWriter(WriterBase):
 
     def __init__(self, cache_dtypes: tuple[KVCacheDType, ...] = MLA_CACHE_DTYPES) -> None:
         self.cache_dtypes = cache_dtypes
+        self._runners = SignatureCache()
 
     def write(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
               slot_mapping: torch.Tensor, quant: KVQuant, *,
               path: WritePath | None = None) -> None:
         """See :class:`~vllm.attention.MLAKVCacheWriter`; ``kv_cache``: ``(nb, bs, L + R)``;
         ``quant.k_scale`` (``[1]``) scales both parts, ``v_scale`` is unused."""
-        kv_c, pe, slots, cache, both = self._checked(kv_c_normed, k_pe, kv_cache,
-                                                     slot_mapping, quant)
-        latent, rope = mla_latent_views(cache, kv_c.shape[1])
-        scatter_kv_views(kv_c.unsqueeze(1), pe.unsqueeze(1), latent.unsqueeze(2),
-                         rope.unsqueeze(2), slots, both, path=path)
+        sig = write_signature(kv_c_normed, k_pe, kv_cache, slot_mapping, quant, path)
+        run = self._runners.get(sig)
+        if run is None:
+            kv_c, _, _, cache, both = self._checked(kv_c_normed, k_pe, kv_cache, slot_mapping,
+                                                    quant)
+            lora = kv_c.shape[1]
+            run = views_runner(lambda c: _latent_rope_views(c, lora), both.kv_cache_dtype,
+                               resolve_path(cache.device, path))
+            self._runners.put(sig, run)
+        ks = quant.k_scale
+        run((_as_rows(kv_c_normed), _as_rows(k_pe), kv_cache, slot_mapping, ks, ks))
 
     def write_with_rope(self, query_pe: torch.Tensor | None, kv_c_normed: torch.Tensor,
                         k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -89,14 +97,26 @@ class MLALatentCacheWriter(WriterBase):
         """See :class:`~vllm.attention.FusedRoPEMLAKVCacheWriter`: one kernel rotates
         ``query_pe`` ``[>= N, num_heads, rope_dim]`` in place and stores the latent and
         the rotated ``k_pe``."""
-        kv_c, pe, slots, cache, both = self._checked(kv_c_normed, k_pe, kv_cache,
-                                                     slot_mapping, quant)
-        pe3 = pe.unsqueeze(1)
-        check_rope_inputs(query_pe, pe3, slots, positions, rope, cache.device)
-        latent, rope_view = mla_latent_views(cache, kv_c.shape[1])
-        # the rotated operand is the rope part: "key" = k_pe, "value" = the latent
-        scatter_kv_views_with_rope(query_pe, pe3, kv_c.unsqueeze(1), rope_view.unsqueeze(2),
-                                   latent.unsqueeze(2), slots, both, positions, rope, path=path)
+        sig = rope_signature(write_signature(kv_c_normed, k_pe, kv_cache, slot_mapping, quant,
+                                             path), query_pe, positions, rope)
+        run = self._runners.get(sig)
+        if run is None:
+            kv_c, pe, slots, cache, both = self._checked(kv_c_normed, k_pe, kv_cache,
+                                                         slot_mapping, quant)
+            check_rope_inputs(query_pe, pe.unsqueeze(1), slots, positions, rope, cache.device)
+            lora = kv_c.shape[1]
+            # the rotated operand is the rope part: "key" = k_pe, "value" = the latent
+            run = rope_runner(lambda c: _rope_latent_views(c, lora), both.kv_cache_dtype,
+                              rope.style, query_pe is not None, resolve_path(cache.device, path))
+            self._runners.put(sig, run)
+        ks = quant.k_scale
+        pe3 = _as_rows(k_pe)
+        run((pe3, _as_rows(kv_c_normed), kv_cache, slot_mapping, ks, ks,
+             pe3 if query_pe is None else query_pe, positions, rope.cos_sin_cache))
+
+    def clear_launch_cache(self) -> None:
+        """Forget every validated signature (the next call of each is checked again)."""
+        self._runners.clear()
 
     def _checked(self, kv_c_normed: object, k_pe: object, kv_cache: object,
                  slot_mapping: object, quant: object
@@ -113,3 +133,18 @@ class MLALatentCacheWriter(WriterBase):
         q = check_quant(quant, num_kv_heads=1, device=cache.device, allowed=self.cache_dtypes)
         check_cache_dtype(cache, q.kv_cache_dtype, kv_c.dtype)
         return kv_c, pe, slots, cache, KVQuant(q.kv_cache_dtype, q.k_scale, q.k_scale)
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[T, W]`` (or ``[T, 1, W]``) as ``[T, 1, W]``: one "head" (a view; validated)."""
+    return x if x.dim() == 3 else x.unsqueeze(1)
+
+
+def _latent_rope_views(cache: torch.Tensor, lora: int) -> tuple[torch.Tensor, torch.Tensor]:
+    latent, rope = mla_latent_views(cache, lora)
+    return latent.unsqueeze(2), rope.unsqueeze(2)
+
+
+def _rope_latent_views(cache: torch.Tensor, lora: int) -> tuple[torch.Tensor, torch.Tensor]:
+    latent, rope = mla_latent_views(cache, lora)
+    return rope.unsqueeze(2), latent.unsqueeze(2)

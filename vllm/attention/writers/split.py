@@ -8,16 +8,30 @@ DiffKV and the MLA latent reuse :func:`write_kv_views` with their own views.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import ClassVar, Final
 
 import torch
 
 from vllm.attention.errors import KVCacheWriteError
 from vllm.attention.layouts import split_kv_views
-from vllm.attention.ops.triton_writers import ScatterTarget, rope_kv_launch, scatter_kv
+from vllm.attention.ops.triton_writers import (
+    CachedLaunch,
+    Launch,
+    ScatterTarget,
+    rope_kv_launch,
+    scatter_kv,
+    scatter_kv_launch,
+)
 from vllm.attention.rope import RoPE, check_query, check_rope_args, rotate_reference
 from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
+from vllm.attention.writers.launch_cache import (
+    Runner,
+    SignatureCache,
+    rope_signature,
+    write_signature,
+)
 from vllm.attention.writers.quant import as_bits, store_values
 from vllm.attention.writers.validation import check_cache_tensor, check_kv_inputs, check_tensor
 
@@ -78,16 +92,26 @@ class SplitKVCacheWriter(WriterBase):
                                     f"one of {', '.join(x.value for x in SPLIT_LAYOUTS)}")
         self.layout = layout
         self.cache_dtypes = cache_dtypes
+        self._runners = SignatureCache()
 
     def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
               slot_mapping: torch.Tensor, quant: KVQuant, *,
               path: WritePath | None = None) -> None:
         """See :class:`~vllm.attention.KVCacheWriter`; ``kv_cache`` in the layout's
-        logical shape (``(nb, 2, bs, H, D)`` or ``(2, nb, bs, H, D)``), any strides."""
-        cache = check_cache_tensor(kv_cache)
-        k_view, v_view = split_kv_views(cache, self.layout)
-        write_kv_views(key, value, k_view, v_view, slot_mapping, quant, self.cache_dtypes,
-                       path=path)
+        logical shape (``(nb, 2, bs, H, D)`` or ``(2, nb, bs, H, D)``), any strides.
+        A repeated call signature skips straight to the launch
+        (:mod:`vllm.attention.writers.launch_cache`)."""
+        sig = write_signature(key, value, kv_cache, slot_mapping, quant, path)
+        run = self._runners.get(sig)
+        if run is None:
+            cache = check_cache_tensor(kv_cache)
+            k_view, v_view = split_kv_views(cache, self.layout)
+            validate_kv_views(key, value, k_view, v_view, slot_mapping, quant,
+                              self.cache_dtypes)
+            run = split_runner(self.layout, quant.kv_cache_dtype,
+                               resolve_path(cache.device, path))
+            self._runners.put(sig, run)
+        run((key, value, kv_cache, slot_mapping, quant.k_scale, quant.v_scale))
 
     def write_with_rope(self, query: torch.Tensor | None, key: torch.Tensor,
                         value: torch.Tensor, kv_cache: torch.Tensor,
@@ -95,12 +119,83 @@ class SplitKVCacheWriter(WriterBase):
                         rope: RoPE, *, path: WritePath | None = None) -> None:
         """See :class:`~vllm.attention.FusedRoPEKVCacheWriter`: one kernel rotates
         ``query`` in place and stores the rotated keys and the values."""
-        cache = check_cache_tensor(kv_cache)
-        k_view, v_view = split_kv_views(cache, self.layout)
-        validate_kv_views(key, value, k_view, v_view, slot_mapping, quant, self.cache_dtypes)
-        check_rope_inputs(query, key, slot_mapping, positions, rope, cache.device)
-        scatter_kv_views_with_rope(query, key, value, k_view, v_view, slot_mapping, quant,
-                                   positions, rope, path=path)
+        sig = rope_signature(write_signature(key, value, kv_cache, slot_mapping, quant, path),
+                             query, positions, rope)
+        run = self._runners.get(sig)
+        if run is None:
+            cache = check_cache_tensor(kv_cache)
+            k_view, v_view = split_kv_views(cache, self.layout)
+            validate_kv_views(key, value, k_view, v_view, slot_mapping, quant,
+                              self.cache_dtypes)
+            check_rope_inputs(query, key, slot_mapping, positions, rope, cache.device)
+            layout = self.layout
+            run = rope_runner(lambda c: split_kv_views(c, layout), quant.kv_cache_dtype,
+                              rope.style, query is not None, resolve_path(cache.device, path))
+            self._runners.put(sig, run)
+        run((key, value, kv_cache, slot_mapping, quant.k_scale, quant.v_scale,
+             key if query is None else query, positions, rope.cos_sin_cache))
+
+    def clear_launch_cache(self) -> None:
+        """Forget every validated signature (the next call of each is checked again)."""
+        self._runners.clear()
+
+
+Views = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""The ``[nb, bs, H, D]`` K and V (for MLA: rope and latent) views of a cache tensor."""
+
+
+def split_runner(layout: KVCacheLayout, cache_dtype: KVCacheDType, path: WritePath) -> Runner:
+    """The runner of a validated split write (live tensors: key, value, cache, slots,
+    k_scale, v_scale)."""
+    return views_runner(lambda c: split_kv_views(c, layout), cache_dtype, path)
+
+
+def views_runner(views: Views, cache_dtype: KVCacheDType, path: WritePath) -> Runner:
+    """The runner of a validated write through ``views`` of the cache."""
+    if path == "triton":
+        mode = scatter_mode(cache_dtype)
+
+        def build(live: Sequence[torch.Tensor]) -> Launch:
+            k_view, v_view = views(live[2])
+            return scatter_kv_launch(live[0], live[1], ScatterTarget.token_major(k_view),
+                                     ScatterTarget.token_major(v_view), live[3], mode,
+                                     live[4], live[5])
+
+        return CachedLaunch(build)
+
+    def reference(live: Sequence[torch.Tensor]) -> None:
+        k_view, v_view = views(live[2])
+        reference_split_write(live[0], live[1], k_view, v_view, live[3],
+                              KVQuant(cache_dtype, live[4], live[5]))
+
+    return reference
+
+
+def rope_runner(views: Views, cache_dtype: KVCacheDType, style: str, has_query: bool,
+                path: WritePath) -> Runner:
+    """The runner of a validated fused RoPE write (live tensors: key, value, cache, slots,
+    k_scale, v_scale, query (the key when there is none), positions, cos_sin_cache)."""
+    neox = style == "neox"
+    if path == "triton":
+        mode = scatter_mode(cache_dtype)
+
+        def build(live: Sequence[torch.Tensor]) -> Launch:
+            k_view, v_view = views(live[2])
+            return rope_kv_launch(live[6] if has_query else None, live[0], live[1],
+                                  ScatterTarget.token_major(k_view),
+                                  ScatterTarget.token_major(v_view), live[3], live[7],
+                                  live[8], neox, mode, live[4], live[5])
+
+        return CachedLaunch(build)
+
+    def reference(live: Sequence[torch.Tensor]) -> None:
+        k_view, v_view = views(live[2])
+        scatter_kv_views_with_rope(
+            live[6] if has_query else None, live[0], live[1], k_view, v_view, live[3],
+            KVQuant(cache_dtype, live[4], live[5]), live[7],
+            RoPE(live[8], "neox" if neox else "gptj"), path="torch")
+
+    return reference
 
 
 def validate_kv_views(
