@@ -95,9 +95,19 @@ def _pair_index(rotary_dim: int, neox: bool) -> tuple[slice, slice]:
     return slice(0, rotary_dim, 2), slice(1, rotary_dim, 2)
 
 
+_CANONICAL_NAN: Final[dict[torch.dtype, tuple[torch.dtype, int]]] = {
+    torch.float32: (torch.int32, 0x7FC00000),
+    torch.float16: (torch.int16, 0x7E00),
+    torch.bfloat16: (torch.int16, 0x7FC0),
+}
+
+
 def round_to(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 ``y`` to ``dtype``, nearest even, every NaN the canonical quiet NaN."""
-    return y.masked_fill(y.isnan(), float("nan")).to(dtype)
+    """float32 ``y`` to ``dtype``, nearest even, every NaN the canonical quiet NaN
+    (set explicitly: torch's own conversions differ by device and code path)."""
+    out = y.to(dtype)
+    bits, nan = _CANONICAL_NAN[dtype]
+    return out.view(bits).masked_fill(y.isnan(), nan).view(dtype)
 
 
 def rotate_reference(x: torch.Tensor, positions: torch.Tensor, rope: RoPE) -> torch.Tensor:
