@@ -1,44 +1,59 @@
 #!/usr/bin/env bash
-# One batched session on the lent GPU machine: GPU tests, the conformance kit on
-# CUDA, the registry table, and the benchmarks. Everything lands under $OUT.
-# Usage (on the device machine, repo root): bash tools/gpu_session.sh [tests] [check] [bench] | all
+# One batched session on the lent GPU machine. Phases (any order, several per call):
+#   tests  - every gpu-marked test, one pytest process per area (a CUDA fault in one
+#            area cannot poison the next), full logs
+#   check  - `vllm-attn backends` and `vllm-attn check` on CUDA
+#   bench  - every benchmarks/bench_*.py with --out
+# Logs and benchmark JSON are tarred into $OUT/results.tgz (the device returns at most
+# 8 files); a few summaries are copied beside it.
+# Usage (device machine, repo root): bash tools/gpu_session.sh tests [check] [bench]
 set -u
-what=" ${*:-all} "
+what=" $* "
 FINAL=${OUT:-/tmp/out}
-OUT=/tmp/gpu_logs
-rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
+LOGS=/tmp/gpu_logs
+mkdir -p "$LOGS" "$FINAL"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if [ -d /tmp/fa4site ]; then
-  export PYTHONPATH=$PYTHONPATH:/tmp/fa4site
-fi
-python3 - <<'PY' | tee "$OUT/env.txt"
-import site, os
-if os.path.isdir("/tmp/fa4site"):
-    site.addsitedir("/tmp/fa4site")
+[ -d /tmp/fa4site ] && export PYTHONPATH=$PYTHONPATH:/tmp/fa4site
+python3 - <<'PY' | tee "$LOGS/env.txt"
 import torch, triton
 print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
 try:
     import flash_attn.cute as fa
-    print("flash_attn.cute", getattr(fa, "__version__", "?"))
+    print("flash_attn.cute importable", getattr(fa, "__version__", "?"))
 except Exception as e:
     print("flash_attn.cute not importable:", type(e).__name__, e)
 PY
-if [[ "$what" == *" tests "* || "$what" == *" all "* ]]; then
-  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} --maxfail=30 2>&1 | tail -n 150 > "$OUT/gpu_tests.txt" ; echo "pytest rc=${PIPESTATUS[0]}" >> "$OUT/gpu_tests.txt"
-  tail -n 5 "$OUT/gpu_tests.txt"
+run_tests() {  # name, timeout, paths...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "$@" > "$LOGS/test_$name.txt" 2>&1
+  echo "$name rc=$?" | tee -a "$LOGS/summary.txt"
+  grep -E "passed|failed" "$LOGS/test_$name.txt" | tail -n 1 | tee -a "$LOGS/summary.txt"
+  grep -E "^FAILED|^ERROR" "$LOGS/test_$name.txt" | head -n 8 | tee -a "$LOGS/summary.txt"
+}
+if [[ "$what" == *" tests "* ]]; then
+  run_tests writers ${T_WRITERS:-120} tests/writers
+  run_tests ops ${T_OPS:-90} tests/ops
+  VLLM_KV_GPU_SWEEP=${SWEEP:-60} run_tests property ${T_PROP:-90} tests/property tests/test_fp8_edges.py
+  run_tests mla ${T_MLA:-120} tests/mla
+  run_tests runner ${T_RUNNER:-120} tests/runner
+  run_tests speed ${T_SPEED:-90} tests/speed
 fi
-if [[ "$what" == *" check "* || "$what" == *" all "* ]]; then
-  timeout 300 python3 -m vllm.cli backends --device cuda > "$OUT/backends_cuda.txt" 2>&1
-  timeout 240 python3 -m vllm.cli check --device cuda > "$OUT/check_cuda.txt" 2>&1; echo "check rc=$?" >> "$OUT/check_cuda.txt"
-  tail -n 30 "$OUT/check_cuda.txt"
+if [[ "$what" == *" backends "* ]]; then
+  run_tests backends ${T_BACKENDS:-200} tests/backends
 fi
-if [[ "$what" == *" bench "* || "$what" == *" all "* ]]; then
-  for b in benchmarks/bench_*.py; do
+if [[ "$what" == *" check "* ]]; then
+  timeout 60 python3 -m vllm.cli backends --device cuda > "$LOGS/backends_cuda.txt" 2>&1
+  timeout ${T_CHECK:-200} python3 -m vllm.cli check --device cuda > "$LOGS/check_cuda.txt" 2>&1
+  echo "check rc=$?" | tee -a "$LOGS/summary.txt"; tail -n 25 "$LOGS/check_cuda.txt"
+fi
+if [[ "$what" == *" bench "* ]]; then
+  mkdir -p "$LOGS/bench"
+  for b in ${BENCHES:-benchmarks/bench_*.py}; do
     name=$(basename "$b" .py)
-    timeout ${BENCH_TIMEOUT:-150} python3 "$b" --out "$OUT" > "$OUT/$name.txt" 2>&1; echo "$name rc=$?" >> "$OUT/$name.txt"
-    tail -n 25 "$OUT/$name.txt"
+    timeout ${T_BENCH:-90} python3 "$b" --out "$LOGS/bench" > "$LOGS/bench/$name.txt" 2>&1
+    echo "$name rc=$?" | tee -a "$LOGS/summary.txt"; tail -n 12 "$LOGS/bench/$name.txt"
   done
 fi
-tar -czf "$FINAL/results.tgz" -C "$OUT" .
-for f in env gpu_tests check_cuda backends_cuda; do [ -f "$OUT/$f.txt" ] && cp "$OUT/$f.txt" "$FINAL/"; done
-ls "$FINAL" | head -n 8
+tar -czf "$FINAL/results.tgz" -C "$LOGS" .
+for f in summary env backends_cuda check_cuda; do [ -f "$LOGS/$f.txt" ] && cp "$LOGS/$f.txt" "$FINAL/"; done
+cat "$LOGS/summary.txt" 2>/dev/null
