@@ -3,7 +3,9 @@
 Runs representative calls of the paged-attention and MLA launchers on CPU
 tensors with the kernels replaced by recorders, then compiles each recorded
 launch ahead of time with exactly its arguments (``triton.compile`` for the
-``cuda`` target). Exit 1 if any launch fails to compile. Used by
+``cuda`` target). The writers' fused RoPE and tiled scatter launches are built
+directly (their PTX is checked too: no FMA in RoPE, hardware fp8 conversion
+where selected, IEEE division). Exit 1 if any launch fails to compile. Used by
 ``tests/ops/test_triton_compile.py`` in a subprocess (the interpreter setting
 of the test process must not leak in).
 """
@@ -11,6 +13,7 @@ of the test process must not leak in).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
 from typing import Any
@@ -39,7 +42,8 @@ class Recorder:
 
 def _sig(fn: Any, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[str, Any], dict]:
     names = list(fn.arg_names)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion")
+               if k in kwargs}
     sig: dict[str, str] = {}
     consts: dict[str, Any] = {}
     for name, arg in zip(names, args):
@@ -126,8 +130,76 @@ def record_mla() -> list:
     return calls
 
 
+def record_writers() -> list:
+    """The fused RoPE + write launches and the tiled scatter (with the sm_89+ hardware
+    fp8 conversion the CPU recording cannot select by itself)."""
+    import dataclasses
+
+    from vllm.attention.layouts import mla_latent_views, split_kv_views
+    from vllm.attention.ops import triton_writers as tw
+    from vllm.attention.types import KVCacheLayout
+
+    kern = tw.load_kernels(interpret=False)
+    calls: list = []
+
+    def add(name: str, launch: Any, **const: Any) -> None:
+        launch = dataclasses.replace(launch, constexprs={**launch.constexprs, **const})
+        calls.append((name, getattr(kern, launch.kernel), launch.args,
+                      {**launch.constexprs, **launch.options}))
+
+    h, d, t = 8, 128, 4096
+    key = torch.zeros(t, h, d, dtype=torch.bfloat16)
+    q = torch.zeros(t, 32, d, dtype=torch.bfloat16)
+    slots = torch.zeros(t, dtype=torch.int64)
+    scale = torch.ones(h)
+    table = torch.zeros(4096, d)
+    for cdt, storage, mode in (("auto", torch.bfloat16, 0), ("fp8_e4m3", torch.uint8, 1),
+                               ("fp8_e5m2", torch.uint8, 2)):
+        cache = torch.zeros(300, 2, 16, h, d, dtype=storage)
+        kt, vt = (tw.ScatterTarget.token_major(x) for x in split_kv_views(cache, KVCacheLayout.SPLIT_NHD))
+        for n in (1, t):  # one token per program, and several
+            launch = tw.scatter_kv_launch(key[:n], key[:n], kt, vt, slots[:n], mode, scale, scale)
+            add(f"tiled-{cdt}-T{n}", launch, HW_CVT=False)
+            if mode:
+                add(f"tiled-{cdt}-T{n}-hwcvt", launch, HW_CVT=True)
+        for neox in (True, False):
+            launch = tw.rope_kv_launch(q, key, key, kt, vt, slots, slots, table, neox, mode,
+                                       scale, scale)
+            add(f"rope-{cdt}-{'neox' if neox else 'gptj'}", launch)
+            if mode:
+                add(f"rope-{cdt}-{'neox' if neox else 'gptj'}-hwcvt", launch, HW_CVT=True)
+    half_table = torch.zeros(4096, 64, dtype=torch.bfloat16)  # partial rotary, bf16 table
+    add("rope-partial-noq", tw.rope_kv_launch(None, key, key, kt, vt, slots, slots, half_table,
+                                              True, 0, scale, scale))
+    add("rope-only", tw.rope_launch(q, key, slots, table, True))
+    mla = torch.zeros(300, 16, 576, dtype=torch.bfloat16)
+    latent, rope = mla_latent_views(mla, 512)
+    pe = torch.zeros(t, 1, 64, dtype=torch.bfloat16)
+    kv_c = torch.zeros(t, 1, 512, dtype=torch.bfloat16)
+    add("rope-mla", tw.rope_kv_launch(
+        torch.zeros(t, 16, 64, dtype=torch.bfloat16), pe, kv_c,
+        tw.ScatterTarget.token_major(rope.unsqueeze(2)),
+        tw.ScatterTarget.token_major(latent.unsqueeze(2)), slots, slots, torch.zeros(4096, 64),
+        False, 0, scale[:1], scale[:1]))
+    add("tiled-mla-latent", tw.scatter_kv_launch(
+        kv_c, pe, tw.ScatterTarget.token_major(latent.unsqueeze(2)),
+        tw.ScatterTarget.token_major(rope.unsqueeze(2)), slots, 0, scale[:1], scale[:1]))
+    return calls
+
+
+def _ptx_problem(name: str, consts: dict[str, Any], ptx: str) -> str | None:
+    """What must hold in the PTX of a writer launch (None when it does)."""
+    if name.startswith("rope") and re.search(r"\bfma\.", ptx):
+        return "an FMA in a RoPE kernel (products and sums must round one by one)"
+    if consts.get("HW_CVT") and "cvt.rn.satfinite" not in ptx:
+        return "HW_CVT without a cvt.rn.satfinite conversion"
+    if consts.get("MODE", 0) and set(re.findall(r"\bdiv\.[a-z0-9.]+\.f32\b", ptx)) != {"div.rn.f32"}:
+        return "a scaled write that does not divide with div.rn.f32"
+    return None
+
+
 def main() -> int:
-    calls = record_paged() + record_mla()
+    calls = record_paged() + record_mla() + record_writers()
     failures = 0
     seen = set()
     for name, fn, args, kwargs in calls:
@@ -138,7 +210,12 @@ def main() -> int:
         seen.add(key)
         try:
             src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+            problem = _ptx_problem(name, consts, compiled.asm["ptx"])
+            if problem is not None:
+                failures += 1
+                print(f"FAIL {name}: {problem}")
+                continue
             print(f"ok   {name} {sorted(consts.items())[:4]}...")
         except Exception:
             failures += 1

@@ -307,17 +307,13 @@ def _to_input_bits(y: tl.tensor, IN_KIND: tl.constexpr) -> tl.tensor:
 
 @jit
 def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, mask: tl.tensor,
-              IN_KIND: tl.constexpr, MODE: tl.constexpr) -> None:
+              IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr) -> None:
     """Store input-dtype ``bits`` as the cache stores them (MODE 0 copy, 1 E4M3, 2 E5M2)."""
     if MODE == 0:
         tl.store(dst, bits, mask=mask)
     else:
         y = tl.div_rn(_widen(bits, IN_KIND), s)
-        if MODE == 1:
-            q = _fp8_bits(_clamp_keep_nan(y, -448.0, 448.0), 3, 7)
-        else:
-            q = _fp8_bits(_clamp_keep_nan(y, -57344.0, 57344.0), 2, 15)
-        tl.store(dst, q, mask=mask)
+        tl.store(dst, _fp8_store_bits(y, MODE, HW_CVT), mask=mask)
 
 
 @jit
@@ -349,8 +345,8 @@ def rope_kv_kernel(
     vc_sd_hi: tl.tensor, vc_sd_lo: tl.tensor,
     ks_ptr: tl.tensor, ks_sh: tl.tensor, vs_ptr: tl.tensor, vs_sh: tl.tensor,
     block_size: tl.tensor,
-    IN_KIND: tl.constexpr, CS_KIND: tl.constexpr, MODE: tl.constexpr, NEOX: tl.constexpr,
-    WRITE: tl.constexpr, PASS_K: tl.constexpr,
+    IN_KIND: tl.constexpr, CS_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr,
+    NEOX: tl.constexpr, WRITE: tl.constexpr, PASS_K: tl.constexpr,
     K_XO: tl.constexpr, K_XD: tl.constexpr, V_XO: tl.constexpr, V_XD: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_PK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -403,15 +399,15 @@ def rope_kv_kernel(
                 sk = tl.load(ks_ptr + h * ks_sh, mask=hm, other=1.0)[:, None]
                 sv = tl.load(vs_ptr + h * vs_sh, mask=hm, other=1.0)[:, None]
             _store_as(kdst[:, None] + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, :],
-                      b1, sk, m, IN_KIND, MODE)
+                      b1, sk, m, IN_KIND, MODE, HW_CVT)
             _store_as(kdst[:, None] + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, :],
-                      b2, sk, m, IN_KIND, MODE)
+                      b2, sk, m, IN_KIND, MODE, HW_CVT)
             if PASS_K:
                 d = 2 * half + tl.arange(0, BLOCK_PK)
                 pm = ok & hm[:, None] & (d < head_size_k)[None, :]
                 bits = tl.load(base[:, None] + d[None, :] * k_sd, mask=pm, other=0)
                 _store_as(kdst[:, None] + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, :],
-                          bits, sk, pm, IN_KIND, MODE)
+                          bits, sk, pm, IN_KIND, MODE, HW_CVT)
             dv = tl.arange(0, BLOCK_DV)
             vm = ok & hm[:, None] & (dv < head_size_v)[None, :]
             vbits = tl.load(v_ptr + t * v_st + h[:, None] * v_sh + dv[None, :] * v_sd, mask=vm,
@@ -419,10 +415,100 @@ def rope_kv_kernel(
             vdst = (vc_ptr + blk * vc_sb + (off // V_XO) * vc_so_hi + (off % V_XO) * vc_so_lo
                     + h * vc_sh)
             _store_as(vdst[:, None] + ((dv // V_XD) * vc_sd_hi + (dv % V_XD) * vc_sd_lo)[None, :],
-                      vbits, sv, vm, IN_KIND, MODE)
+                      vbits, sv, vm, IN_KIND, MODE, HW_CVT)
         else:
             m = hm[:, None] & jm[None, :]
             base = k_ptr + t * k_st + h * k_sh
             b1, b2 = _rope_pairs(base, k_sd, m, i1, i2, c, s, IN_KIND)
             tl.store(base[:, None] + i1[None, :] * k_sd, b1, mask=m)
             tl.store(base[:, None] + i2[None, :] * k_sd, b2, mask=m)
+
+
+# -- the token-major scatter, tiled ---------------------------------------------------------
+# For caches whose rows are token-major (every split layout, DiffKV, the MLA latent):
+# BLOCK_T tokens per program, K/V loads that do not wait for the slot (rows below
+# num_tokens always exist), and on sm_89+ (HW_CVT) the hardware fp8 conversion
+# (cvt.rn.satfinite: round to nearest even, saturating, like the reference after its
+# clamp) instead of the integer rounding code; the interpreter and older GPUs keep the
+# integer code. Byte-identical to scatter_kv_kernel either way.
+
+
+@jit
+def _fp8_store_bits(y: tl.tensor, MODE: tl.constexpr, HW_CVT: tl.constexpr) -> tl.tensor:
+    """float32 ``y`` (already divided by its scale) to the fp8 byte the reference stores."""
+    if MODE == 1:
+        c = _clamp_keep_nan(y, -448.0, 448.0)
+        if HW_CVT:
+            q = tl.where(y != y, 0x7F,
+                         c.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8,
+                                                                             bitcast=True))
+        else:
+            q = _fp8_bits(c, 3, 7)
+    else:
+        c = _clamp_keep_nan(y, -57344.0, 57344.0)
+        if HW_CVT:
+            q = tl.where(y != y, 0x7F,
+                         c.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8,
+                                                                           bitcast=True))
+        else:
+            q = _fp8_bits(c, 2, 15)
+    return q.to(tl.uint8)
+
+
+@jit
+def _scatter_tile(
+    t: tl.tensor, tm: tl.tensor, ok: tl.tensor, row: tl.tensor, pid_h: tl.tensor,
+    x_ptr: tl.tensor, x_st: tl.tensor, x_sh: tl.tensor, x_sd: tl.tensor,
+    c_ptr: tl.tensor, c_sh: tl.tensor, c_sd: tl.tensor,
+    s_ptr: tl.tensor, s_sh: tl.tensor, num_heads: tl.tensor, head_size: tl.tensor,
+    IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+) -> None:
+    """Rows ``[BLOCK_T, BLOCK_H, D]`` of one operand; ``row`` ``[BLOCK_T]`` is each token's
+    element offset of ``(slot, head 0, dim 0)`` in the cache operand."""
+    h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    hm = h < num_heads
+    inner = hm[None, :, None] & (d < head_size)[None, None, :]
+    load_mask = tm[:, None, None] & inner
+    src = (x_ptr + t[:, None, None] * x_st + h[None, :, None] * x_sh
+           + d[None, None, :] * x_sd)
+    dst = c_ptr + row[:, None, None] + h[None, :, None] * c_sh + d[None, None, :] * c_sd
+    store_mask = ok[:, None, None] & inner
+    bits = tl.load(src, mask=load_mask, other=0)
+    if MODE == 0:
+        tl.store(dst, bits, mask=store_mask)
+    else:
+        s = tl.load(s_ptr + h * s_sh, mask=hm, other=1.0)
+        y = tl.div_rn(_widen(bits, IN_KIND), s[None, :, None])
+        tl.store(dst, _fp8_store_bits(y, MODE, HW_CVT), mask=store_mask)
+
+
+@jit
+def scatter_kv_tiled_kernel(
+    slot_ptr: tl.tensor, slot_st: tl.tensor, num_tokens: tl.tensor,
+    k_ptr: tl.tensor, k_st: tl.tensor, k_sh: tl.tensor, k_sd: tl.tensor,
+    v_ptr: tl.tensor, v_st: tl.tensor, v_sh: tl.tensor, v_sd: tl.tensor,
+    kc_ptr: tl.tensor, kc_sb: tl.tensor, kc_so: tl.tensor, kc_sh: tl.tensor, kc_sd: tl.tensor,
+    vc_ptr: tl.tensor, vc_sb: tl.tensor, vc_so: tl.tensor, vc_sh: tl.tensor, vc_sd: tl.tensor,
+    ks_ptr: tl.tensor, ks_sh: tl.tensor, vs_ptr: tl.tensor, vs_sh: tl.tensor,
+    num_heads: tl.tensor, block_size: tl.tensor, head_size_k: tl.tensor, head_size_v: tl.tensor,
+    IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+) -> None:
+    """One program per (BLOCK_T tokens, group of BLOCK_H heads) of a token-major cache
+    (element ``(slot, h, d)`` at ``blk*sb + off*so + h*sh + d*sd``). MODE as
+    :func:`scatter_kv_kernel`."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    pid_h = tl.program_id(1)
+    tm = t < num_tokens
+    slot = tl.load(slot_ptr + t * slot_st, mask=tm, other=-1)
+    ok = tm & (slot >= 0)
+    blk = slot // block_size
+    off = slot % block_size
+    _scatter_tile(t, tm, ok, blk * kc_sb + off * kc_so, pid_h, k_ptr, k_st, k_sh, k_sd,
+                  kc_ptr, kc_sh, kc_sd, ks_ptr, ks_sh, num_heads, head_size_k,
+                  IN_KIND, MODE, HW_CVT, BLOCK_H, BLOCK_DK)
+    _scatter_tile(t, tm, ok, blk * vc_sb + off * vc_so, pid_h, v_ptr, v_st, v_sh, v_sd,
+                  vc_ptr, vc_sh, vc_sd, vs_ptr, vs_sh, num_heads, head_size_v,
+                  IN_KIND, MODE, HW_CVT, BLOCK_H, BLOCK_DV)

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import torch
 
@@ -218,6 +218,25 @@ def scatter_kv_launch(
     dk, dv = k_target.head_size, v_target.head_size
     block_dk, block_dv = _pow2(dk), _pow2(dv)
     block_h = min(_pow2(h), max(1, _MAX_TILE // max(block_dk, block_dv)))
+    if scatter_kernel_for(k_target, v_target) == "tiled":
+        block_t = tokens_per_program(n, block_h * max(block_dk, block_dv))
+        return Launch(
+            "scatter_kv_tiled_kernel", (-(-n // block_t), -(-h // block_h)),
+            (slot_mapping, slot_mapping.stride(0), n,
+             *_rows(key), *_rows(value),
+             _bits(k_target.tensor), k_target.stride_block, k_target.stride_off_hi,
+             k_target.stride_head, k_target.stride_dim_hi,
+             _bits(v_target.tensor), v_target.stride_block, v_target.stride_off_hi,
+             v_target.stride_head, v_target.stride_dim_hi,
+             k_scale, 0 if k_scale.numel() == 1 else k_scale.stride(0),
+             v_scale, 0 if v_scale.numel() == 1 else v_scale.stride(0),
+             h, k_target.block_size, dk, dv),
+            {"IN_KIND": _IN_KIND[key.dtype], "MODE": mode,
+             "HW_CVT": mode != 0 and hardware_fp8(k_target.tensor.device),
+             "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_DK": block_dk,
+             "BLOCK_DV": block_dv},
+            roles=("slots", "key", "value", "cache", "cache", *scale_roles),
+        )
     return Launch(
         "scatter_kv_kernel", (n, -(-h // block_h)),
         (slot_mapping, slot_mapping.stride(0),
@@ -232,6 +251,49 @@ def scatter_kv_launch(
          "BLOCK_H": block_h, "BLOCK_DK": block_dk, "BLOCK_DV": block_dv},
         roles=("slots", "key", "value", "cache", "cache", *scale_roles),
     )
+
+
+ScatterKernel = Literal["generic", "tiled"]
+"""``generic``: ``scatter_kv_kernel``, one program per token, any :class:`ScatterTarget`;
+``tiled``: ``scatter_kv_tiled_kernel``, token-major targets only (``docs/performance.md``)."""
+
+TILED_MIN_TOKENS: Final = 1024
+"""From this many tokens the tiled kernel takes several tokens per program."""
+
+
+def scatter_kernel_for(k_target: ScatterTarget, v_target: ScatterTarget) -> ScatterKernel:
+    """The tiled kernel for token-major targets (split layouts, DiffKV, MLA latent), the
+    generic one for x-split layouts; ``VLLM_KV_SCATTER_KERNEL=generic`` forces the generic
+    one everywhere (for A/B measurements)."""
+    if os.environ.get("VLLM_KV_SCATTER_KERNEL", "") == "generic":
+        return "generic"
+    for t in (k_target, v_target):
+        if t.off_split != 1 or t.dim_split != 1:
+            return "generic"
+    return "tiled"
+
+
+def tokens_per_program(num_tokens: int, tile: int) -> int:
+    """``BLOCK_T`` of the tiled kernel: 1 below :data:`TILED_MIN_TOKENS` (small batches
+    want every program they can get), else up to 8 tokens, about 4096 elements per operand."""
+    if num_tokens < TILED_MIN_TOKENS:
+        return 1
+    return max(1, min(8, _MAX_TILE // max(1, tile)))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
+
+
+def hardware_fp8(device: torch.device) -> bool:
+    """Whether the compiled kernels convert to fp8 in hardware here (sm_89+: Ada, Hopper,
+    Blackwell); the interpreter and older GPUs round in integer code."""
+    if device.type != "cuda":
+        return False
+    index: int | None = device.index
+    return _capability(torch.cuda.current_device() if index is None else index) >= (8, 9)
 
 
 def scatter_kv(
@@ -386,7 +448,7 @@ def _rope_launch(
          *_rows(key), hk, dk,
          *w_args),
         {"IN_KIND": _IN_KIND[key.dtype], "CS_KIND": _IN_KIND[cos_sin_cache.dtype],
-         "MODE": mode, "NEOX": neox, "WRITE": write is not None, "PASS_K": pass_k, **xsplit,
+         "MODE": mode, "HW_CVT": mode != 0 and hardware_fp8(key.device), "NEOX": neox, "WRITE": write is not None, "PASS_K": pass_k, **xsplit,
          "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_R": block_r,
          "BLOCK_PK": block_pk, "BLOCK_DV": block_dv},
         options=dict(ROPE_OPTIONS),

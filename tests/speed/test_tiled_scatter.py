@@ -1,0 +1,99 @@
+"""The tiled token-major scatter (several tokens per program, loads that do not wait
+for the slot): byte-identical to the generic kernel and to the torch reference, also
+with BLOCK_T > 1 and a partial last tile. Under Triton's interpreter (integer fp8
+rounding); the hardware-conversion variant is compile-checked in
+tools/triton_compile_check.py and compared on the GPU by tests/writers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import fill_random_bytes, raw
+from vllm.attention import KVQuant
+from vllm.attention.ops import triton_writers as tw
+from vllm.attention.types import KVCacheLayout
+from vllm.attention.writers import MLALatentCacheWriter, SplitKVCacheWriter, reference_write
+
+L = KVCacheLayout
+pytestmark = pytest.mark.skipif(not tw.triton_importable(),
+                                reason="triton is not importable: the kernels cannot run here")
+DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+CASES = [(L.SPLIT_NHD, "bf16", "auto", 1), (L.SPLIT_HND, "fp32", "fp8_e4m3", 2),
+         (L.SPLIT_KV_FIRST, "fp16", "fp8_e5m2", 1), (L.SPLIT_BLOCK_INTERLEAVED, "bf16",
+                                                     "fp8_e4m3", 2)]
+
+
+@pytest.fixture(params=["tiled-BT8", "generic"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "generic":
+        monkeypatch.setenv("VLLM_KV_SCATTER_KERNEL", "generic")
+    else:
+        monkeypatch.setattr(tw, "TILED_MIN_TOKENS", 1)  # several tokens per program
+    return str(request.param)
+
+
+def _cache(layout: KVCacheLayout, storage: torch.dtype) -> torch.Tensor:
+    from vllm.attention.layouts import kv_cache_shape, kv_cache_stride_order
+
+    shape = kv_cache_shape(layout, 4, 8, 2, 32)
+    order = kv_cache_stride_order(layout)
+    phys = torch.empty([shape[i] for i in order], dtype=storage)
+    fill_random_bytes(phys, 7)
+    return phys.permute(*[order.index(i) for i in range(len(order))])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize(("layout", "dtype", "cache_dtype", "nscale"), CASES,
+                         ids=[f"{c[0].value}-{c[1]}-{c[2]}" for c in CASES])
+def test_tiled_equals_reference(layout: KVCacheLayout, dtype: str, cache_dtype: str,
+                                nscale: int, kernel: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    t = 13  # a partial last tile of 8
+    key = (torch.randn(t + 2, 2, 32, generator=g) * 100).to(DT[dtype])
+    value = (torch.randn(t + 2, 2, 32, generator=g) * 100).to(DT[dtype])
+    slots = torch.randperm(32, generator=g)[:t]
+    slots[[0, 9]] = -1
+    quant = KVQuant(cache_dtype, torch.rand(nscale, generator=g) + 0.5,  # type: ignore[arg-type]
+                    torch.rand(nscale, generator=g) + 0.5)
+    storage = FP8.get(cache_dtype, DT[dtype])
+    got, want = _cache(layout, storage), _cache(layout, storage)
+    writer = SplitKVCacheWriter(layout)
+    writer.write(key, value, got, slots, quant, path="triton")
+    reference_write(layout, key, value, want, slots, quant)
+    assert torch.equal(raw(got), raw(want))
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
+def test_tiled_mla_latent_equals_reference(cache_dtype: str, kernel: str) -> None:
+    g = torch.Generator().manual_seed(2)
+    t = 11
+    kv_c = torch.randn(t, 64, generator=g).to(torch.bfloat16)
+    k_pe = torch.randn(t, 16, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(24, generator=g)[:t]
+    slots[3] = -1
+    quant = KVQuant(cache_dtype, torch.tensor([0.3]), torch.tensor([0.3]))  # type: ignore[arg-type]
+    storage = torch.bfloat16 if cache_dtype == "auto" else torch.float8_e4m3fn
+    got = torch.empty(3, 8, 80, dtype=storage)
+    fill_random_bytes(got, 3)
+    want = got.clone()
+    MLALatentCacheWriter().write(kv_c, k_pe, got, slots, quant, path="triton")
+    reference_write(L.MLA_LATENT, kv_c, k_pe, want, slots, quant)
+    assert torch.equal(raw(got), raw(want))
+
+
+def test_kernel_choice() -> None:
+    from vllm.attention.layouts import legacy_paged_views, split_kv_views
+
+    cache = torch.zeros(2, 2, 16, 2, 8)
+    k, v = split_kv_views(cache, L.SPLIT_HND)
+    token_major = (tw.ScatterTarget.token_major(k), tw.ScatterTarget.token_major(v))
+    assert tw.scatter_kernel_for(*token_major) == "tiled"
+    k5, v4 = legacy_paged_views(torch.zeros(2, 2, 16 * 2 * 8), 2, 8)
+    assert tw.scatter_kernel_for(tw.ScatterTarget.x_split_key(k5),
+                                 tw.ScatterTarget.head_major_value(v4)) == "generic"
+    assert tw.tokens_per_program(1, 1024) == 1
+    assert tw.tokens_per_program(65536, 1024) == 4
+    assert tw.tokens_per_program(65536, 512) == 8
+    assert not tw.hardware_fp8(torch.device("cpu"))
