@@ -1,0 +1,230 @@
+"""On CUDA: the cached launcher binds and writes the reference's bytes; the write and a
+whole decode step (write + attention, fused RoPE) capture into a CUDA graph and replay
+with -1 padding slots; the tiled kernel's hardware fp8 conversion equals the reference
+on rounding edges; a compiled decoder layer matches eager.
+
+Marked ``gpu`` (skipped with the reason without CUDA). Launch cost is measured by
+``benchmarks/bench_launch.py``, not asserted here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tests.helpers import fill_random_bytes, raw
+from tests.writers.oracle import edge_values
+from vllm.attention import KVQuant, allocate_kv_cache
+from vllm.attention.backends.triton_attn import TritonAttentionBackend
+from vllm.attention.batch import make_paged_batch
+from vllm.attention.layer import Attention
+from vllm.attention.ops import triton_writers as tw
+from vllm.attention.rope import RoPE, rotate_reference
+from vllm.attention.types import KVCacheLayout
+from vllm.attention.writers import MLALatentCacheWriter, SplitKVCacheWriter, reference_write
+from vllm.forward_context import set_forward_context
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not tw.triton_importable(), reason="triton is not importable")]
+L = KVCacheLayout
+DEV = "cuda"
+
+
+def _split_inputs(t: int, rows: int, cache_dtype: str, seed: int, dtype: torch.dtype = torch.bfloat16,
+                  h: int = 8, d: int = 128, nb: int = 64, bs: int = 16
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, KVQuant]:
+    g = torch.Generator().manual_seed(seed)
+    key = (torch.randn(rows, h, d, generator=g) * 3).to(dtype).to(DEV)
+    value = torch.randn(rows, h, d, generator=g).to(dtype).to(DEV)
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    slots[1::3] = -1
+    storage = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    cache = torch.empty(nb, 2, bs, h, d, dtype=storage[cache_dtype], device=DEV)
+    fill_random_bytes(cache, seed)
+    quant = KVQuant(cache_dtype, (torch.rand(h, generator=g) + 0.5).to(DEV),  # type: ignore[arg-type]
+                    (torch.rand(h, generator=g) + 0.5).to(DEV))
+    return key, value, cache, slots.to(DEV), quant
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("t", [1, 7, 3000])
+def test_cached_launch_binds_and_writes_the_reference_bytes(t: int, cache_dtype: str) -> None:
+    w = SplitKVCacheWriter(L.SPLIT_NHD)
+    for seed in range(3):
+        key, value, cache, slots, quant = _split_inputs(t, t + 2, cache_dtype, seed)
+        want = cache.clone()
+        w.write(key, value, cache, slots, quant)
+        reference_write(L.SPLIT_NHD, key, value, want, slots, quant)
+        assert torch.equal(raw(cache), raw(want))
+    runner = next(iter(w._runners.values()))
+    assert isinstance(runner, tw.CachedLaunch) and runner.bound
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_fused_rope_cuda_equals_rotate_then_write(style: str, cache_dtype: str) -> None:
+    w = SplitKVCacheWriter(L.SPLIT_NHD)
+    rope = RoPE.build(128, 4096, style=style, device=DEV)  # type: ignore[arg-type]
+    for seed in range(3):  # the second and third calls run through the bound launch
+        key, value, cache, slots, quant = _split_inputs(33, 40, cache_dtype, seed)
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(40, 32, 128, generator=g).to(torch.bfloat16).to(DEV)
+        positions = torch.randint(0, 4096, (40,), generator=g).to(DEV)
+        want = cache.clone()
+        reference_write(L.SPLIT_NHD, rotate_reference(key, positions, rope), value, want, slots,
+                        quant)
+        q_got = q.clone()
+        w.write_with_rope(q_got, key, value, cache, slots, quant, positions, rope)
+        assert torch.equal(raw(cache), raw(want))
+        assert torch.equal(q_got.view(torch.int16),
+                           rotate_reference(q, positions, rope).view(torch.int16))
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_tiled_hardware_fp8_equals_reference_on_edges(cache_dtype: str) -> None:
+    assert tw.hardware_fp8(torch.device(DEV)) == (torch.cuda.get_device_capability() >= (8, 9))
+    x = edge_values()
+    d = 128
+    rows = x.numel() // d
+    key = x[: rows * d].view(rows, 1, d).to(DEV)
+    slots = torch.arange(rows, dtype=torch.int64, device=DEV)
+    fp8 = torch.float8_e4m3fn if cache_dtype == "fp8_e4m3" else torch.float8_e5m2
+    quant = KVQuant(cache_dtype, torch.ones(1, device=DEV), torch.ones(1, device=DEV))  # type: ignore[arg-type]
+    for min_tokens in (1, 10**9):  # several tokens per program, and one
+        tw_min = tw.TILED_MIN_TOKENS
+        tw.TILED_MIN_TOKENS = min_tokens
+        try:
+            got = torch.zeros(rows, 2, 1, 1, d, dtype=fp8, device=DEV)
+            want = got.clone()
+            SplitKVCacheWriter(L.SPLIT_NHD).write(key, key, got, slots, quant, path="triton")
+            reference_write(L.SPLIT_NHD, key, key, want, slots, quant)
+        finally:
+            tw.TILED_MIN_TOKENS = tw_min
+        assert torch.equal(raw(got), raw(want))
+
+
+def _graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compile, bind, then run through the bound launch
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
+def test_write_replays_in_a_cuda_graph_with_padding(cache_dtype: str) -> None:
+    w = SplitKVCacheWriter(L.SPLIT_NHD)
+    key, value, cache, slots, quant = _split_inputs(8, 8, cache_dtype, 0)
+    graph = _graph(lambda: w.write(key, value, cache, slots, quant))
+    for seed in (1, 2):
+        k2, v2, _, s2, _ = _split_inputs(8, 8, cache_dtype, seed)
+        s2[5:] = -1  # this step has 5 tokens; the rest of the captured batch is padding
+        key.copy_(k2)
+        value.copy_(v2)
+        slots.copy_(s2)
+        want = cache.clone()
+        reference_write(L.SPLIT_NHD, key, value, want, slots, quant)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(raw(cache), raw(want))
+
+
+def test_mla_write_replays_in_a_cuda_graph() -> None:
+    w = MLALatentCacheWriter()
+    g = torch.Generator().manual_seed(0)
+    kv_c = torch.randn(4, 512, generator=g).to(torch.bfloat16).to(DEV)
+    k_pe = torch.randn(4, 64, generator=g).to(torch.bfloat16).to(DEV)
+    cache = torch.zeros(8, 64, 576, dtype=torch.bfloat16, device=DEV)
+    slots = torch.tensor([3, 70, -1, -1], device=DEV)
+    quant = KVQuant.unscaled(device=DEV)
+    graph = _graph(lambda: w.write(kv_c, k_pe, cache, slots, quant))
+    slots.copy_(torch.tensor([9, -1, 100, -1]))
+    kv_c.normal_()
+    want = cache.clone()
+    reference_write(L.MLA_LATENT, kv_c, k_pe, want, slots, quant)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(raw(cache), raw(want))
+
+
+def test_decode_step_replays_in_a_cuda_graph_with_padding() -> None:
+    """Write (fused RoPE) + attention of one layer, 3 requests padded to 4 rows."""
+    bs, hq, hkv, d = 16, 8, 2, 128
+    batch = make_paged_batch([1, 1, 1], [40, 17, 300], block_size=bs, device=DEV,
+                             generator=torch.Generator().manual_seed(0))
+    layer = Attention(num_heads=hq, num_kv_heads=hkv, head_size=d, scale=d ** -0.5,
+                      backend=TritonAttentionBackend, layer_name="g0")
+    cache = allocate_kv_cache(TritonAttentionBackend, num_blocks=batch.num_blocks,
+                              block_size=bs, num_kv_heads=hkv, head_size=d,
+                              model_dtype=torch.bfloat16, device=DEV)
+    cache.normal_()
+    layer.bind_kv_cache(cache, bs)
+    meta = TritonAttentionBackend.get_builder_cls()(layer.spec, torch.device(DEV)).build(
+        batch.common)
+    rope = RoPE.build(d, 1024, device=DEV)
+    q = torch.zeros(4, hq, d, dtype=torch.bfloat16, device=DEV)
+    k = torch.zeros(4, hkv, d, dtype=torch.bfloat16, device=DEV)
+    v = torch.zeros_like(k)
+    out = torch.zeros_like(q)
+    slots = torch.full((4,), -1, dtype=torch.int64, device=DEV)
+    positions = torch.zeros(4, dtype=torch.int64, device=DEV)
+    ctx = dict(attn_metadata={"g0": meta}, slot_mapping={"g0": slots})
+
+    def step() -> None:
+        layer(q, k, v, out, positions=positions, rope=rope)
+
+    with set_forward_context(**ctx):  # type: ignore[arg-type]
+        graph = _graph(step)
+    g = torch.Generator().manual_seed(1)
+    q_in = torch.randn(4, hq, d, generator=g).to(torch.bfloat16).to(DEV)
+    k_in = torch.randn(4, hkv, d, generator=g).to(torch.bfloat16).to(DEV)
+    v_in = torch.randn(4, hkv, d, generator=g).to(torch.bfloat16).to(DEV)
+    real_slots = torch.cat([batch.new_slots, torch.full((1,), -1, device=DEV)])
+    real_pos = torch.cat([batch.positions, torch.zeros(1, dtype=torch.int64, device=DEV)])
+    start = cache.clone()
+    # eager, on the same inputs
+    with set_forward_context(attn_metadata={"g0": meta}, slot_mapping={"g0": real_slots}):
+        want = layer(q_in.clone(), k_in, v_in, positions=real_pos, rope=rope)
+    want_cache = cache.clone()
+    cache.copy_(start)
+    for src, dst in ((q_in, q), (k_in, k), (v_in, v), (real_slots, slots), (real_pos, positions)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(raw(cache), raw(want_cache))
+    assert torch.equal(out[:3].view(torch.int16), want[:3].view(torch.int16))
+
+
+def test_compiled_decoder_layer_matches_eager_on_cuda() -> None:
+    from tests.speed.test_compile import TinyDecoderLayer
+
+    bs = 16
+    batch = make_paged_batch([2, 1], [5, 30], block_size=bs, device=DEV,
+                             generator=torch.Generator().manual_seed(0))
+    model = TinyDecoderLayer(TritonAttentionBackend, "c0", rope=True).to(DEV)
+    model.rope = RoPE.build(16, 64, device=DEV)
+    cache = allocate_kv_cache(TritonAttentionBackend, num_blocks=batch.num_blocks,
+                              block_size=bs, num_kv_heads=2, head_size=16,
+                              model_dtype=torch.float32, device=DEV)
+    cache.normal_()
+    model.attn.bind_kv_cache(cache, bs)
+    meta = TritonAttentionBackend.get_builder_cls()(model.attn.spec, torch.device(DEV)).build(
+        batch.common)
+    x = torch.randn(3, 32, device=DEV)
+    start = cache.clone()
+    torch._dynamo.reset()
+    with set_forward_context(attn_metadata={"c0": meta}, slot_mapping={"c0": batch.new_slots}):
+        want = model(x, batch.positions)
+        want_cache = cache.clone()
+        cache.copy_(start)
+        got = torch.compile(model, fullgraph=True, backend="aot_eager")(x, batch.positions)
+    torch._dynamo.reset()
+    assert torch.equal(got, want)
+    assert torch.equal(cache, want_cache)
