@@ -1,0 +1,144 @@
+"""Timing helpers shared by the speed benchmarks (bench_launch, bench_fused_rope,
+bench_protocol_tax). Every result is reported next to a baseline measured in the same
+run, so ratios do not depend on the machine's clocks."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"device": "cpu", "torch": torch.__version__,
+                            "python": platform.python_version(), "triton": None}
+    if device.type == "cuda":
+        info["device"] = torch.cuda.get_device_name(device)
+        info["capability"] = list(torch.cuda.get_device_capability(device))
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:  # no triton: reported as None
+        pass
+    return info
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_us(fn: Callable[[], object], device: torch.device, *, calls: int = 1000,
+            rounds: int = 5, warmup: int = 50) -> dict[str, float]:
+    """Host time per call: ``calls`` back-to-back calls then one synchronize, median of
+    ``rounds``. ``loop_us``: the loop alone; ``with_sync_us``: including the final wait."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    loops, totals = [], []
+    for _ in range(rounds):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        sync(device)
+        t2 = time.perf_counter()
+        loops.append((t1 - t0) / calls * 1e6)
+        totals.append((t2 - t0) / calls * 1e6)
+    return {"loop_us": statistics.median(loops), "with_sync_us": statistics.median(totals)}
+
+
+def event_us(fn: Callable[[], object], *, iters: int = 100, warmup: int = 10,
+             rounds: int = 3) -> float:
+    """Device time per call of ``fn`` (CUDA events around ``iters`` calls), median."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / iters * 1e3)
+    return statistics.median(out)
+
+
+def capture(fn: Callable[[], object], *, reps: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``reps`` back-to-back calls of ``fn`` (warmed up on a side stream
+    first: lazy compilation and launcher binding must not happen during capture)."""
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, *, replays: int = 200, rounds: int = 3) -> float:
+    """Device time per replay (CUDA events around ``replays`` back-to-back replays)."""
+    return event_us(graph.replay, iters=replays, warmup=5, rounds=rounds)
+
+
+def copy_ceiling_gbps(device: torch.device, gib: float = 2.0, iters: int = 10) -> float:
+    """GB/s (read + written) of an eager ``dst.copy_(src)`` of a ``gib`` GiB bf16 tensor."""
+    numel = int(gib * 2**30) // 2
+    src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    us = event_us(lambda: dst.copy_(src), iters=iters, warmup=2)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * numel * 2 / (us * 1e-6) / 1e9
+
+
+def fmt(x: object, spec: str = ".2f") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, float):
+        return "-" if not math.isfinite(x) else format(x, spec)
+    return str(x)
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> None:
+    """``columns``: ``(key, header, format spec)``."""
+    widths = [max(len(h), *(len(fmt(r.get(k), s)) for r in rows)) if rows else len(h)
+              for k, h, s in columns]
+    print("  ".join(h.rjust(w) if i else h.ljust(w)
+                    for i, ((_, h, _), w) in enumerate(zip(columns, widths))))
+    for r in rows:
+        print("  ".join(fmt(r.get(k), s).rjust(w) if i else fmt(r.get(k), s).ljust(w)
+                        for i, ((k, _, s), w) in enumerate(zip(columns, widths))))
+
+
+def write_json(out: Path, name: str, payload: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    print(f"wrote {path}")
+    return path
