@@ -23,8 +23,14 @@ from vllm.attention.errors import (
     PluginLoadError,
     UnsupportedBackendError,
 )
+from vllm.attention.rope import RoPE
 from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout, KVQuant
-from vllm.attention.writer import KVCacheWriter, MLAKVCacheWriter
+from vllm.attention.writer import (
+    FusedRoPEKVCacheWriter,
+    FusedRoPEMLAKVCacheWriter,
+    KVCacheWriter,
+    MLAKVCacheWriter,
+)
 
 __all__ = [
     "AttentionBackend",
@@ -37,6 +43,8 @@ __all__ = [
     "BackendNotFoundError",
     "CommonAttentionMetadata",
     "ForwardContextError",
+    "FusedRoPEKVCacheWriter",
+    "FusedRoPEMLAKVCacheWriter",
     "InvalidArgumentError",
     "InvalidTypeError",
     "KVCacheDType",
@@ -49,6 +57,7 @@ __all__ = [
     "NoBackendError",
     "PagedAttentionMetadata",
     "PluginLoadError",
+    "RoPE",
     "SizeSpec",
     "UnsupportedBackendError",
     "allocate_kv_cache",

@@ -30,6 +30,14 @@ Parameters are annotated ``tl.tensor`` for mypy: the compiler resolves annotatio
 as globals (only ``tl`` names are allowed) and ignores this one."""
 
 
+def jit_token_count(name: str) -> Callable[[Callable[..., Any]], Any]:
+    """``triton.jit`` that does not specialise on the token-count argument ``name``: one
+    compiled kernel serves every batch size (Triton would otherwise compile apart for
+    1, multiples of 16 and the rest)."""
+    decorator: Callable[[Callable[..., Any]], Any] = triton.jit(do_not_specialize=[name])
+    return decorator
+
+
 @jit
 def _load_f32(ptrs: tl.tensor, mask: tl.tensor, IN_KIND: tl.constexpr) -> tl.tensor:
     """Input bits to float32, exactly. IN_KIND: 0 fp32 (int32 bits), 1 fp16, 2 bf16 (int16 bits)."""
@@ -329,7 +337,7 @@ def _rope_pairs(
     return _to_input_bits(o1, IN_KIND), _to_input_bits(o2, IN_KIND)
 
 
-@jit
+@jit_token_count("num_write")
 def rope_kv_kernel(
     pos_ptr: tl.tensor, pos_st: tl.tensor,
     cs_ptr: tl.tensor, cs_sp: tl.tensor, cs_sd: tl.tensor, half: tl.tensor,
@@ -484,7 +492,7 @@ def _scatter_tile(
         tl.store(dst, _fp8_store_bits(y, MODE, HW_CVT), mask=store_mask)
 
 
-@jit
+@jit_token_count("num_tokens")
 def scatter_kv_tiled_kernel(
     slot_ptr: tl.tensor, slot_st: tl.tensor, num_tokens: tl.tensor,
     k_ptr: tl.tensor, k_st: tl.tensor, k_sh: tl.tensor, k_sd: tl.tensor,
