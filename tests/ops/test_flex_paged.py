@@ -90,3 +90,31 @@ def test_flex_cross_attention(mode: str) -> None:
     flex_paged_attention(q, b.kv, batch, scale=b.case.scale, output=out, causal=False,
                          mode=mode)  # type: ignore[arg-type]
     assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+
+
+def test_inductor_failure_falls_back_to_eager_flex(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an H200, Inductor could not lower some flex shapes (GQA 8); the op then runs
+    the eager flex_attention, which computes the same function."""
+    from vllm.attention.ops import flex_paged
+
+    class InductorError(RuntimeError):
+        pass
+
+    def failing(*args: object, **kwargs: object) -> torch.Tensor:
+        raise InductorError("LoweringException: NoValidChoicesError")
+
+    monkeypatch.setattr(flex_paged, "_compiled_flex", lambda: failing)
+    case = Case(L.SPLIT_BLOCK_INTERLEAVED, "auto", query_lens=(1, 5), context_lens=(20, 0))
+    b = build(case, "cpu")
+    out = b.new_output()
+    flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
+                         compiled=True)
+    assert rel_err(out, b.reference) <= TOLERANCE[case.dtype]
+
+    def other(*args: object, **kwargs: object) -> torch.Tensor:
+        raise ValueError("a real error in the call")
+
+    monkeypatch.setattr(flex_paged, "_compiled_flex", lambda: other)
+    with pytest.raises(ValueError, match="real error"):
+        flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale,
+                             output=b.new_output(), compiled=True)

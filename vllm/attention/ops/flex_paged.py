@@ -63,15 +63,34 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: Any,
 
     fn: Callable[..., Any] = flex_attention
     if compiled:
-        fn = _compiled_flex()
+        try:
+            return _checked(_compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                             scale=scale, enable_gqa=q.shape[1] != k.shape[1]))
+        except Exception as exc:
+            if not _is_compile_failure(exc):
+                raise
+            # Inductor cannot lower every shape (seen on an H200: GQA 8 and a
+            # non-causal batch, "NoValidChoicesError"); the eager flex_attention
+            # computes the same function, unfused.
+            compiled = False
     with warnings.catch_warnings():
         if not compiled:
             warnings.filterwarnings("ignore", message=_EAGER_WARNING, category=UserWarning)
         out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                  enable_gqa=q.shape[1] != k.shape[1])
+    return _checked(out)
+
+
+def _checked(out: object) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"flex_attention returned {type(out).__name__}, expected a Tensor")
     return out
+
+
+def _is_compile_failure(exc: BaseException) -> bool:
+    """An Inductor / Dynamo backend failure (not an error in the call itself)."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    return bool(names & {"InductorError", "BackendCompilerFailed", "LoweringException"})
 
 
 def page_table_supported(kv: PagedKV, query_dtype: torch.dtype) -> str | None:
