@@ -11,7 +11,9 @@ import abc
 import inspect
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Generic, Literal, Protocol, TypeVar
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, ClassVar, Final, Generic, Literal, Protocol, TypeVar
 
 import torch
 
@@ -242,6 +244,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
+DEFAULT_TOLERANCES: Final[Mapping[torch.dtype, float]] = MappingProxyType({
+    torch.float32: 1e-4,
+    torch.float16: 5e-3,
+    torch.bfloat16: 2e-2,
+})
+"""Relative Frobenius error ‖out − ref‖ / ‖ref‖ against float64, by model dtype."""
+
+
 ComputePath = str
 """A short name of the compute path that runs (``"torch"``, ``"triton"``, ``"flash_attn.cute"``)."""
 
@@ -268,6 +278,16 @@ class AttentionBackend(abc.ABC, Generic[M]):
     migration: ClassVar[Literal["migrated", "adapted"]] = "migrated"
     vendor_package: ClassVar[str | None] = None
     """Import name of the vendor kernel package, if the backend has one."""
+    tolerances: ClassVar[Mapping[torch.dtype, float]] = DEFAULT_TOLERANCES
+    """Compute tolerance per supported model dtype (the kit and tests read it). A
+    subclass that does not declare its own gets the defaults for its dtypes."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "tolerances" not in vars(cls):
+            cls.tolerances = MappingProxyType(
+                {d: DEFAULT_TOLERANCES[d] for d in cls.supported_dtypes if d in DEFAULT_TOLERANCES}
+            )
 
     def __new__(cls) -> AttentionBackend[M]:
         raise TypeError(f"{cls.__name__} is a backend declaration; it is never instantiated")

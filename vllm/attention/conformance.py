@@ -27,19 +27,11 @@ from vllm.attention.backend import AttentionBackend, allocate_kv_cache, dtype_na
 from vllm.attention.batch import make_paged_batch
 from vllm.attention.layer import Attention
 from vllm.attention.ops.reference import attend
-from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout, KVQuant
+from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
 from vllm.attention.writers.readback import read_slots, reference_write
 from vllm.forward_context import set_forward_context
 
 AnyBackend = type[AttentionBackend[Any]]
-
-DEFAULT_TOLERANCES: dict[torch.dtype, float] = {
-    torch.float32: 1e-4,
-    torch.float16: 5e-3,
-    torch.bfloat16: 2e-2,
-}
-"""Relative Frobenius error ‖out − ref‖ / ‖ref‖ against float64, by model dtype."""
-
 
 @dataclass
 class Report:
@@ -280,7 +272,7 @@ def _check_compute(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) 
         )
         ctx_at += c
         new_at += qn
-    tol = getattr(backend, "tolerances", DEFAULT_TOLERANCES).get(cfg.dtype, 2e-2)
+    tol = backend.tolerances[cfg.dtype]
     err = _rel_err(result.cpu(), ref)
     if not err <= tol:
         failures.append(f"{cfg.id} compute: relative error {err:.2e} > tolerance {tol:.0e}")

@@ -284,7 +284,7 @@ def check_mla_compute(backend: AnyBackend, cfg: MLACheckConfig,
         failures.append(f"{tag} compute: output has NaN (rows unwritten or masked wrongly)")
         return failures
     ref = _reference_output(cfg, spec, cache, batch, q, layer.kv_quant, topk)
-    tol = getattr(backend, "tolerances", {}).get(cfg.dtype, 2e-2)
+    tol = backend.tolerances[cfg.dtype]
     got = result.view(n_new, cfg.num_heads, cfg.v_head_dim).double()
     err = float((got - ref).norm()) / max(float(ref.norm()), 1e-30)
     if not err <= tol:

@@ -8,7 +8,6 @@ elsewhere. Paths and limits: ``docs/backends.md``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -52,10 +51,6 @@ class FlashAttentionBackend(StandardBackend[FlashAttentionMetadata]):
     attention_types: ClassVar[frozenset[AttentionType]] = frozenset(AttentionType)
     vendor_package: ClassVar[str | None] = "flash_attn"
     vendor_kernels: ClassVar[tuple[VendorKernel, ...]] = (FLASH_ATTN_CUTE, FLASH_ATTN_2)
-    tolerances: ClassVar[Mapping[torch.dtype, float]] = {
-        torch.float16: 5e-3,
-        torch.bfloat16: 2e-2,
-    }
 
     @classmethod
     def get_impl_cls(cls) -> type[FlashAttentionImpl]:

@@ -9,7 +9,6 @@ size); otherwise Triton on CUDA, torch elsewhere.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -51,10 +50,6 @@ class FlashAttentionDiffKVBackend(StandardBackend[FlashAttentionDiffKVMetadata])
     attention_types: ClassVar[frozenset[AttentionType]] = frozenset({AttentionType.DECODER})
     vendor_package: ClassVar[str | None] = "flash_attn"
     vendor_kernels: ClassVar[tuple[VendorKernel, ...]] = (FLASH_ATTN_CUTE,)
-    tolerances: ClassVar[Mapping[torch.dtype, float]] = {
-        torch.float16: 5e-3,
-        torch.bfloat16: 2e-2,
-    }
 
     @classmethod
     def get_impl_cls(cls) -> type[FlashAttentionDiffKVImpl]:

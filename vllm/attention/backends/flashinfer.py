@@ -18,7 +18,6 @@ builder); the wrapper is planned on every call, against a per-device workspace.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
@@ -141,10 +140,6 @@ class FlashInferBackend(StandardBackend[FlashInferMetadata]):
     attention_types: ClassVar[frozenset[AttentionType]] = frozenset({AttentionType.DECODER})
     vendor_package: ClassVar[str | None] = "flashinfer"
     vendor_kernels: ClassVar[tuple[VendorKernel, ...]] = (FLASHINFER_KERNEL,)
-    tolerances: ClassVar[Mapping[torch.dtype, float]] = {
-        torch.float16: 5e-3,
-        torch.bfloat16: 2e-2,
-    }
 
     @classmethod
     def get_impl_cls(cls) -> type[FlashInferImpl]:

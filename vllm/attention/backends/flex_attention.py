@@ -9,11 +9,9 @@ layout. ``auto`` caches only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 
 from vllm.attention.backend import (
     AttentionMetadataBuilder,
@@ -50,11 +48,6 @@ class FlexAttentionBackend(StandardBackend[FlexAttentionMetadata]):
     head_sizes: ClassVar[SizeSpec] = multiple_of(8, max=256)
     attention_types: ClassVar[frozenset[AttentionType]] = frozenset(AttentionType)
     portable_path: ClassVar[PortablePath] = "flex_attention"
-    tolerances: ClassVar[Mapping[torch.dtype, float]] = {
-        torch.float32: 1e-4,
-        torch.float16: 5e-3,
-        torch.bfloat16: 2e-2,
-    }
 
     @classmethod
     def get_impl_cls(cls) -> type[FlexAttentionImpl]:

@@ -8,11 +8,9 @@ CUDA alike), torch elsewhere. No vendor package.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 
 from vllm.attention.backend import (
     AttentionMetadataBuilder,
@@ -47,11 +45,6 @@ class RocmAttentionBackend(StandardBackend[RocmAttentionMetadata]):
     # D must split into 16-byte chunks of the stored element (fp8: 16 values).
     head_sizes: ClassVar[SizeSpec] = multiple_of(16, max=256)
     attention_types: ClassVar[frozenset[AttentionType]] = frozenset({AttentionType.DECODER})
-    tolerances: ClassVar[Mapping[torch.dtype, float]] = {
-        torch.float32: 1e-4,
-        torch.float16: 5e-3,
-        torch.bfloat16: 2e-2,
-    }
 
     @classmethod
     def get_impl_cls(cls) -> type[RocmAttentionImpl]:

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from collections.abc import Mapping
-from typing import Any, ClassVar, Final, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
@@ -43,13 +42,6 @@ from vllm.attention.writer import KVCacheWriter
 SM = TypeVar("SM", bound=PagedAttentionMetadata)
 
 PortablePath = Literal["triton", "flex_attention"]
-
-DEFAULT_TOLERANCES: Final[Mapping[torch.dtype, float]] = {
-    torch.float32: 1e-4,
-    torch.float16: 5e-3,
-    torch.bfloat16: 2e-2,
-}
-"""Relative Frobenius error against float64 (the conformance kit's measure)."""
 
 
 def paged_fields(common: CommonAttentionMetadata) -> dict[str, Any]:
@@ -81,8 +73,6 @@ def _flex_unavailable(device: torch.device) -> str | None:
 class StandardBackend(AttentionBackend[SM]):
     """Declarations the nine standard backends add; still class data only."""
 
-    tolerances: ClassVar[Mapping[torch.dtype, float]] = DEFAULT_TOLERANCES
-    """Relative error allowed against float64, per model dtype (read by the kit and tests)."""
     distinct_v_head_size: ClassVar[bool] = False
     """True when V's head size may differ from K's (the kit then uses ``Dv = D // 2``)."""
     vendor_kernels: ClassVar[tuple[VendorKernel, ...]] = ()
@@ -278,7 +268,6 @@ def encoder_only_attention(
 
 
 __all__ = [
-    "DEFAULT_TOLERANCES",
     "StandardBackend",
     "StandardImpl",
     "encoder_only_attention",

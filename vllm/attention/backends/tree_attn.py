@@ -20,7 +20,7 @@ Triton on CUDA, torch elsewhere (both take the tree mask). No sliding window.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -80,11 +80,6 @@ class TreeAttentionBackend(StandardBackend[TreeAttentionMetadata]):
     head_sizes: ClassVar[SizeSpec] = multiple_of(8, max=256)
     attention_types: ClassVar[frozenset[AttentionType]] = frozenset({AttentionType.DECODER})
     supports_sliding_window: ClassVar[bool] = False
-    tolerances: ClassVar[Mapping[torch.dtype, float]] = {
-        torch.float32: 1e-4,
-        torch.float16: 5e-3,
-        torch.bfloat16: 2e-2,
-    }
 
     @classmethod
     def get_impl_cls(cls) -> type[TreeAttentionImpl]:

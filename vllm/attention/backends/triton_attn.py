@@ -8,11 +8,9 @@ scale after each (token, head) row. Triton on CUDA, torch elsewhere.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-import torch
 
 from vllm.attention.backend import (
     AttentionMetadataBuilder,
@@ -49,11 +47,6 @@ class TritonAttentionBackend(StandardBackend[TritonAttentionMetadata]):
     block_sizes: ClassVar[SizeSpec] = multiple_of(16)
     head_sizes: ClassVar[SizeSpec] = multiple_of(8, max=256)
     attention_types: ClassVar[frozenset[AttentionType]] = frozenset(AttentionType)
-    tolerances: ClassVar[Mapping[torch.dtype, float]] = {
-        torch.float32: 1e-4,
-        torch.float16: 5e-3,
-        torch.bfloat16: 2e-2,
-    }
 
     @classmethod
     def kv_cache_layout_for(cls, cache_dtype: KVCacheDType = "auto") -> KVCacheLayout:
