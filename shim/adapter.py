@@ -24,9 +24,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from typing_extensions import TypeGuard
-
 import torch
+from typing_extensions import TypeGuard
 
 from shim.legacy import LegacyCommonAttentionMetadata
 from shim.warnings import warn_once
@@ -39,9 +38,15 @@ from vllm.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
     SizeSpec,
+    common_fields,
 )
 from vllm.attention.errors import AttentionError, LegacyBackendError
-from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant, parse_kv_cache_dtype
+from vllm.attention.types import (
+    KVCacheDType,
+    KVCacheLayout,
+    KVQuant,
+    parse_kv_cache_dtype,
+)
 from vllm.attention.writer import KVCacheWriter
 from vllm.attention.writers import writer_for_layout
 from vllm.forward_context import get_forward_context
@@ -231,7 +236,7 @@ class AdaptedBuilderBase(AttentionMetadataBuilder[LegacyMetadataBox]):
             (common.num_actual_tokens,), -1, dtype=torch.int64, device=common.seq_lens.device
         )
         legacy_common = LegacyCommonAttentionMetadata(
-            **{f.name: getattr(common, f.name) for f in dataclasses.fields(common)},
+            **common_fields(common),
             slot_mapping=placeholder,
         )
         return LegacyMetadataBox(self.legacy.build(0, legacy_common))

@@ -14,12 +14,13 @@ import torch
 from typing_extensions import deprecated
 
 from shim.warnings import LegacyBackendWarning
+from vllm.attention.backend import CommonAttentionMetadata
 from vllm.attention.types import KVQuant, parse_kv_cache_dtype
 from vllm.attention.writers.split import write_kv_views
 
 
 @dataclass(frozen=True, kw_only=True)
-class LegacyCommonAttentionMetadata:
+class LegacyCommonAttentionMetadata(CommonAttentionMetadata):
     """What a legacy metadata builder is given: the batch plus ``slot_mapping``.
 
     The adapter fills ``slot_mapping`` with ``-1`` at build time and puts the
@@ -27,17 +28,6 @@ class LegacyCommonAttentionMetadata:
     right before the legacy ``forward``.
     """
 
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    query_start_loc_cpu: torch.Tensor
-    seq_lens_cpu: torch.Tensor
-    num_reqs: int
-    num_actual_tokens: int
-    max_query_len: int
-    max_seq_len: int
-    block_size: int
-    causal: bool
     slot_mapping: torch.Tensor
 
 

@@ -8,12 +8,22 @@ declarations, and selection, the CLI table and the test grid all read them.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import inspect
 import math
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, ClassVar, Final, Generic, Literal, Protocol, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Final,
+    Generic,
+    Literal,
+    Protocol,
+    TypeVar,
+)
 
 import torch
 
@@ -68,37 +78,20 @@ class CommonAttentionMetadata:
     causal: bool = True
 
 
-@dataclass(frozen=True, kw_only=True)
-class PagedAttentionMetadata(AttentionMetadata):
-    """Metadata of the backends whose compute needs only the paged batch description."""
+def common_fields(common: CommonAttentionMetadata) -> dict[str, Any]:
+    """The batch description as constructor keywords: every metadata class built
+    from it (paged, MLA, legacy) takes these and adds its own."""
+    return {f.name: getattr(common, f.name) for f in dataclasses.fields(CommonAttentionMetadata)}
 
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    query_start_loc_cpu: torch.Tensor
-    seq_lens_cpu: torch.Tensor
-    num_reqs: int
-    num_actual_tokens: int
-    max_query_len: int
-    max_seq_len: int
-    block_size: int
-    causal: bool
+
+@dataclass(frozen=True, kw_only=True)
+class PagedAttentionMetadata(CommonAttentionMetadata, AttentionMetadata):
+    """Metadata of the backends whose compute needs only the paged batch description
+    (the fields of :class:`CommonAttentionMetadata`; still no ``slot_mapping``)."""
 
     @classmethod
     def from_common(cls, common: CommonAttentionMetadata) -> PagedAttentionMetadata:
-        return cls(
-            query_start_loc=common.query_start_loc,
-            seq_lens=common.seq_lens,
-            block_table=common.block_table,
-            query_start_loc_cpu=common.query_start_loc_cpu,
-            seq_lens_cpu=common.seq_lens_cpu,
-            num_reqs=common.num_reqs,
-            num_actual_tokens=common.num_actual_tokens,
-            max_query_len=common.max_query_len,
-            max_seq_len=common.max_seq_len,
-            block_size=common.block_size,
-            causal=common.causal,
-        )
+        return cls(**common_fields(common))
 
 
 @dataclass(frozen=True, kw_only=True)

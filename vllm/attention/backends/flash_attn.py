@@ -18,9 +18,10 @@ from vllm.attention.backend import (
     CommonAttentionMetadata,
     PagedAttentionMetadata,
     SizeSpec,
+    common_fields,
     multiple_of,
 )
-from vllm.attention.backends.standard import StandardBackend, StandardImpl, paged_fields
+from vllm.attention.backends.standard import StandardBackend, StandardImpl
 from vllm.attention.backends.vendor_kernels import (
     FLASH_ATTN_2,
     FLASH_ATTN_CUTE,
@@ -38,7 +39,7 @@ class FlashAttentionMetadata(PagedAttentionMetadata):
 
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
     def build(self, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
-        return FlashAttentionMetadata(**paged_fields(common))
+        return FlashAttentionMetadata(**common_fields(common))
 
 
 class FlashAttentionBackend(StandardBackend[FlashAttentionMetadata]):

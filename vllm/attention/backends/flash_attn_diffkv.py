@@ -19,9 +19,10 @@ from vllm.attention.backend import (
     CommonAttentionMetadata,
     PagedAttentionMetadata,
     SizeSpec,
+    common_fields,
     multiple_of,
 )
-from vllm.attention.backends.standard import StandardBackend, StandardImpl, paged_fields
+from vllm.attention.backends.standard import StandardBackend, StandardImpl
 from vllm.attention.backends.vendor_kernels import FLASH_ATTN_CUTE, HALF, VendorKernel
 from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
 
@@ -35,7 +36,7 @@ class FlashAttentionDiffKVMetadataBuilder(
     AttentionMetadataBuilder[FlashAttentionDiffKVMetadata]
 ):
     def build(self, common: CommonAttentionMetadata) -> FlashAttentionDiffKVMetadata:
-        return FlashAttentionDiffKVMetadata(**paged_fields(common))
+        return FlashAttentionDiffKVMetadata(**common_fields(common))
 
 
 class FlashAttentionDiffKVBackend(StandardBackend[FlashAttentionDiffKVMetadata]):

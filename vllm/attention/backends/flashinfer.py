@@ -28,9 +28,10 @@ from vllm.attention.backend import (
     CommonAttentionMetadata,
     PagedAttentionMetadata,
     SizeSpec,
+    common_fields,
     exactly,
 )
-from vllm.attention.backends.standard import StandardBackend, StandardImpl, paged_fields
+from vllm.attention.backends.standard import StandardBackend, StandardImpl
 from vllm.attention.backends.vendor_kernels import HALF, VendorCall, VendorKernel
 from vllm.attention.errors import InvalidTypeError
 from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
@@ -71,7 +72,7 @@ def _csr_pages(common: CommonAttentionMetadata) -> dict[str, Any]:
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
-        return FlashInferMetadata(**paged_fields(common), **_csr_pages(common))
+        return FlashInferMetadata(**common_fields(common), **_csr_pages(common))
 
 
 @functools.cache

@@ -12,19 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-
 from vllm.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
     PagedAttentionMetadata,
     SizeSpec,
+    common_fields,
     multiple_of,
 )
 from vllm.attention.backends.standard import (
     PortablePath,
     StandardBackend,
     StandardImpl,
-    paged_fields,
 )
 from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
 
@@ -37,7 +36,7 @@ class FlexAttentionMetadata(PagedAttentionMetadata):
 
 class FlexAttentionMetadataBuilder(AttentionMetadataBuilder[FlexAttentionMetadata]):
     def build(self, common: CommonAttentionMetadata) -> FlexAttentionMetadata:
-        return FlexAttentionMetadata(**paged_fields(common))
+        return FlexAttentionMetadata(**common_fields(common))
 
 
 class FlexAttentionBackend(StandardBackend[FlexAttentionMetadata]):

@@ -19,10 +19,11 @@ from vllm.attention.backend import (
     CommonAttentionMetadata,
     PagedAttentionMetadata,
     SizeSpec,
+    common_fields,
     exactly,
     multiple_of,
 )
-from vllm.attention.backends.standard import StandardBackend, StandardImpl, paged_fields
+from vllm.attention.backends.standard import StandardBackend, StandardImpl
 from vllm.attention.backends.vendor_kernels import HALF, VendorCall, VendorKernel
 from vllm.attention.errors import InvalidTypeError
 from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
@@ -45,7 +46,7 @@ class RocmAiterFAMetadataBuilder(AttentionMetadataBuilder[RocmAiterFAMetadata]):
         cu = torch.zeros(common.num_reqs + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(common.seq_lens_cpu.to(torch.int64), 0).to(torch.int32)
         return RocmAiterFAMetadata(
-            **paged_fields(common), cu_seqlens_k=cu.to(common.seq_lens.device),
+            **common_fields(common), cu_seqlens_k=cu.to(common.seq_lens.device),
             num_kv_tokens=int(cu[-1]),
         )
 

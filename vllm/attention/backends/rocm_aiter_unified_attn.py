@@ -18,9 +18,10 @@ from vllm.attention.backend import (
     CommonAttentionMetadata,
     PagedAttentionMetadata,
     SizeSpec,
+    common_fields,
     multiple_of,
 )
-from vllm.attention.backends.standard import StandardBackend, StandardImpl, paged_fields
+from vllm.attention.backends.standard import StandardBackend, StandardImpl
 from vllm.attention.backends.vendor_kernels import HALF, VendorCall, VendorKernel
 from vllm.attention.layouts import split_kv_views
 from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
@@ -35,7 +36,7 @@ class RocmAiterUnifiedAttentionMetadataBuilder(
     AttentionMetadataBuilder[RocmAiterUnifiedAttentionMetadata]
 ):
     def build(self, common: CommonAttentionMetadata) -> RocmAiterUnifiedAttentionMetadata:
-        return RocmAiterUnifiedAttentionMetadata(**paged_fields(common))
+        return RocmAiterUnifiedAttentionMetadata(**common_fields(common))
 
 
 @dataclass(frozen=True)

@@ -11,16 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-
 from vllm.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
     PagedAttentionMetadata,
     SizeSpec,
+    common_fields,
     exactly,
     multiple_of,
 )
-from vllm.attention.backends.standard import StandardBackend, StandardImpl, paged_fields
+from vllm.attention.backends.standard import StandardBackend, StandardImpl
 from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
 
 
@@ -32,7 +32,7 @@ class RocmAttentionMetadata(PagedAttentionMetadata):
 
 class RocmAttentionMetadataBuilder(AttentionMetadataBuilder[RocmAttentionMetadata]):
     def build(self, common: CommonAttentionMetadata) -> RocmAttentionMetadata:
-        return RocmAttentionMetadata(**paged_fields(common))
+        return RocmAttentionMetadata(**common_fields(common))
 
 
 class RocmAttentionBackend(StandardBackend[RocmAttentionMetadata]):

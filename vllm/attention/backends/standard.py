@@ -16,7 +16,6 @@ needs); none carries ``slot_mapping``. Table and paths: ``docs/backends.md``.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -27,7 +26,6 @@ from vllm.attention.backend import (
     AttentionImpl,
     AttentionLayerProtocol,
     AttentionLayerSpec,
-    CommonAttentionMetadata,
     ComputePath,
     PagedAttentionMetadata,
 )
@@ -42,11 +40,6 @@ from vllm.attention.writer import KVCacheWriter
 SM = TypeVar("SM", bound=PagedAttentionMetadata)
 
 PortablePath = Literal["triton", "flex_attention"]
-
-
-def paged_fields(common: CommonAttentionMetadata) -> dict[str, Any]:
-    """The :class:`PagedAttentionMetadata` fields of ``common``, for a subclass's constructor."""
-    return {f.name: getattr(common, f.name) for f in dataclasses.fields(PagedAttentionMetadata)}
 
 
 def _portable_unavailable(path: PortablePath, device: torch.device) -> str | None:
@@ -271,5 +264,4 @@ __all__ = [
     "StandardBackend",
     "StandardImpl",
     "encoder_only_attention",
-    "paged_fields",
 ]

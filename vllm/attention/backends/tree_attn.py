@@ -32,9 +32,10 @@ from vllm.attention.backend import (
     CommonAttentionMetadata,
     PagedAttentionMetadata,
     SizeSpec,
+    common_fields,
     multiple_of,
 )
-from vllm.attention.backends.standard import StandardBackend, StandardImpl, paged_fields
+from vllm.attention.backends.standard import StandardBackend, StandardImpl
 from vllm.attention.ops.paged_attention import pack_tree_masks, tree_ancestor_mask
 from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
 
@@ -69,7 +70,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         packed = None
         if masks is not None and any(m is not None for m in masks):
             packed = pack_tree_masks(masks, qlens, device=common.query_start_loc.device)
-        return TreeAttentionMetadata(**paged_fields(common), tree_mask=packed)
+        return TreeAttentionMetadata(**common_fields(common), tree_mask=packed)
 
 
 class TreeAttentionBackend(StandardBackend[TreeAttentionMetadata]):

@@ -11,15 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-
 from vllm.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
     PagedAttentionMetadata,
     SizeSpec,
+    common_fields,
     multiple_of,
 )
-from vllm.attention.backends.standard import StandardBackend, StandardImpl, paged_fields
+from vllm.attention.backends.standard import StandardBackend, StandardImpl
 from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
 
 PER_TOKEN_HEAD: Final[frozenset[KVCacheDType]] = frozenset(
@@ -35,7 +35,7 @@ class TritonAttentionMetadata(PagedAttentionMetadata):
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        return TritonAttentionMetadata(**paged_fields(common))
+        return TritonAttentionMetadata(**common_fields(common))
 
 
 class TritonAttentionBackend(StandardBackend[TritonAttentionMetadata]):

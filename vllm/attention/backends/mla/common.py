@@ -28,11 +28,16 @@ from vllm.attention.backend import (
     CommonAttentionMetadata,
     ComputePath,
     SizeSpec,
+    common_fields,
     exactly,
     multiple_of,
 )
 from vllm.attention.errors import InvalidArgumentError, InvalidTypeError
-from vllm.attention.layouts import FP8_DS_MLA_ENTRY_BYTES, FP8_DS_MLA_LATENT, FP8_DS_MLA_ROPE
+from vllm.attention.layouts import (
+    FP8_DS_MLA_ENTRY_BYTES,
+    FP8_DS_MLA_LATENT,
+    FP8_DS_MLA_ROPE,
+)
 from vllm.attention.ops.mla_attention import (
     DecodeGroup,
     LatentFormat,
@@ -186,25 +191,12 @@ class MLALayerSpec(AttentionLayerSpec):
 
 # -- metadata -------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
-class MLAMetadata(AttentionMetadata):
+class MLAMetadata(CommonAttentionMetadata, AttentionMetadata):
     """One step of an MLA batch, split into the absorbed (decode) and expanded
     (prefill) paths. Request ``i`` is a decode request iff its query length is at
     most ``decode_threshold``. Token index tensors select rows of the step's ``q``.
     """
 
-    query_start_loc: torch.Tensor
-    """``[num_reqs + 1]`` int32."""
-    seq_lens: torch.Tensor
-    """``[num_reqs]`` int32."""
-    block_table: torch.Tensor
-    """``[num_reqs, max_blocks]`` int32."""
-    query_start_loc_cpu: torch.Tensor
-    seq_lens_cpu: torch.Tensor
-    num_reqs: int
-    num_actual_tokens: int
-    max_query_len: int
-    max_seq_len: int
-    block_size: int
     token_req: torch.Tensor
     """``[num_actual_tokens]`` int32: the request of each query token."""
     token_pos: torch.Tensor
@@ -314,11 +306,7 @@ def split_batch(cls: type[MT], common: CommonAttentionMetadata, *, decode_thresh
 
     dec_reqs_t = t(dec_reqs, torch.int64)
     return cls(
-        query_start_loc=common.query_start_loc, seq_lens=common.seq_lens,
-        block_table=common.block_table, query_start_loc_cpu=common.query_start_loc_cpu,
-        seq_lens_cpu=common.seq_lens_cpu, num_reqs=common.num_reqs,
-        num_actual_tokens=common.num_actual_tokens, max_query_len=common.max_query_len,
-        max_seq_len=common.max_seq_len, block_size=common.block_size,
+        **common_fields(common),
         token_req=t(token_req, torch.int32), token_pos=t(token_pos, torch.int32),
         decode_threshold=decode_threshold,
         decode_token_idx=t(dec_idx, torch.int64), prefill_token_idx=t(pre_idx, torch.int64),
