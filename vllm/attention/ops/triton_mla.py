@@ -11,7 +11,6 @@ bytes and bit-cast), and the 656-byte ``fp8_ds_mla`` entry (E4M3 latent times it
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
@@ -29,16 +28,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.cache
 def _kernels(interpret: bool) -> tuple[Any, Any]:
-    """The kernels as ``@triton.jit`` built them under the current ``TRITON_INTERPRET``
-    (decided at decoration time): the module is reloaded when the mode changes."""
-    import importlib
+    """The split and combine kernels, compiled or for the CPU interpreter."""
+    from vllm.attention.ops.triton_loader import load_kernel_module
 
-    from vllm.attention.ops import triton_mla_kernels as k
-
-    if _kernels.cache_info().currsize:
-        k = importlib.reload(k)
+    k = load_kernel_module("vllm.attention.ops.triton_mla_kernels", interpret=interpret)
     return k.mla_split_kernel, k.mla_combine_kernel
 
 

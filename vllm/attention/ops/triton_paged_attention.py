@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -42,16 +41,13 @@ def triton_import_error() -> str | None:
 
 
 def _kernels() -> ModuleType:
-    import importlib
+    from vllm.attention.ops.triton_loader import load_kernel_module
 
-    return importlib.import_module(_KERNELS)
+    return load_kernel_module(_KERNELS, interpret=interpreter_active())
 
 
 def interpreter_active() -> bool:
-    """Whether the kernels run (or will run, once imported) in Triton's CPU interpreter."""
-    mod = sys.modules.get(_KERNELS)
-    if mod is not None:
-        return type(mod.paged_attention_kernel).__name__ == "InterpretedFunction"
+    """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET`` set)."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 

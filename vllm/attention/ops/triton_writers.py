@@ -15,7 +15,6 @@ import functools
 import importlib
 import importlib.util
 import os
-import sys
 from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -24,7 +23,6 @@ from typing import Any, Final, Literal
 import torch
 
 _KERNELS: Final = "vllm.attention.ops.triton_writer_kernels"
-_KERNELS_INTERPRETED: Final = "vllm.attention.ops._triton_writer_kernels_interpreted"
 
 _IN_KIND: Final[dict[torch.dtype, int]] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _BITS: Final[dict[int, torch.dtype]] = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -42,51 +40,12 @@ def triton_importable() -> bool:
     return True
 
 
-@functools.cache
 def load_kernels(interpret: bool) -> ModuleType:
-    """The kernel module, compiled (``interpret=False``) or for the CPU interpreter.
+    """The writer kernel module, compiled (``interpret=False``) or for the CPU
+    interpreter (:func:`vllm.attention.ops.triton_loader.load_kernel_module`)."""
+    from vllm.attention.ops.triton_loader import load_kernel_module
 
-    Triton decides between the two when ``@triton.jit`` runs, from
-    ``TRITON_INTERPRET``, so the interpreted copy is a second import of the same
-    file with that variable set for the duration of the import.
-    """
-    if not interpret:
-        # A process that set TRITON_INTERPRET (e.g. a test run without CUDA) must not
-        # turn the compiled module into interpreted functions.
-        module = sys.modules.get(_KERNELS)
-        if module is not None and type(module.scatter_kv_kernel).__name__ != "InterpretedFunction":
-            return module
-        saved = os.environ.pop("TRITON_INTERPRET", None)
-        try:
-            if module is None:
-                return importlib.import_module(_KERNELS)
-            return importlib.reload(module)
-        finally:
-            if saved is not None:
-                os.environ["TRITON_INTERPRET"] = saved
-    if _KERNELS_INTERPRETED in sys.modules:
-        return sys.modules[_KERNELS_INTERPRETED]
-    source = importlib.util.find_spec(_KERNELS)
-    if source is None or source.origin is None:
-        raise ImportError(f"cannot locate {_KERNELS}")
-    spec = importlib.util.spec_from_file_location(_KERNELS_INTERPRETED, source.origin)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {source.origin}")
-    module = importlib.util.module_from_spec(spec)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        sys.modules[_KERNELS_INTERPRETED] = module
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(_KERNELS_INTERPRETED, None)
-        raise
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    return module
+    return load_kernel_module(_KERNELS, interpret=interpret)
 
 
 def _kernels_for(t: torch.Tensor) -> ModuleType:
