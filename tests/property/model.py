@@ -15,7 +15,8 @@ requires, for the whole storage (padding, bytes before and after the view
 included):
 
 * every kept token's slot holds exactly the expected bits;
-* every byte outside the written slots is unchanged;
+* every byte outside the written slots is unchanged (tokens with a negative slot, or a
+  slot past the cache, write nothing);
 * a slot named twice holds, element by element, one of its tokens' values
   (duplicates are unspecified, but never leak into another slot);
 * rows of ``key``/``value`` past ``slot_mapping.shape[0]`` are never read: they
@@ -166,6 +167,9 @@ class WriteCase:
     slots_strided: bool
     specials: bool
     seed: int
+    past_percent: int = 0
+    """Share of tokens whose slot lies past the cache (``>= num_slots``): skipped outside
+    checked mode (``docs/errors.md``), never written anywhere."""
 
     @property
     def num_slots(self) -> int:
@@ -190,7 +194,7 @@ class WriteCase:
                 f"order={self.order} pads={self.pads} off={self.storage_offset} "
                 f"scale={self.scale_kind} neg={self.neg_percent}% dup={self.duplicates} "
                 f"inputs={self.input_style} strided_slots={self.slots_strided} "
-                f"specials={self.specials} seed={self.seed}")
+                f"specials={self.specials} past={self.past_percent}% seed={self.seed}")
 
 
 def _x(dtype: torch.dtype) -> int:
@@ -323,7 +327,7 @@ def draw_case(c: Chooser, family: str, *, max_tokens: int = 4096, small: bool = 
         storage_offset=m.choice((0, 0, 5, 64)), tail=m.choice((0, 3, 40)),
         scale_kind=scale_kind, neg_percent=neg, duplicates=dup,
         input_style=m.choice(INPUT_STYLES), slots_strided=percent(m, 25),
-        specials=percent(m, 30), seed=seed,
+        specials=percent(m, 30), seed=seed, past_percent=m.choice((0, 0, 0, 10, 50)),
     )
 
 
@@ -572,6 +576,12 @@ def _slots(case: WriteCase, gen: torch.Generator, device: str | torch.device) ->
         fill = torch.tensor([-1, -1, -1, -2, -(2 ** 40), -(2 ** 63)], dtype=torch.int64)
         which = torch.randint(0, fill.numel(), (n,), generator=gen)
         slots = torch.where(neg, fill[which], slots)
+    if case.past_percent and n:
+        past = torch.rand(n, generator=gen) * 100 < case.past_percent
+        ns, bs = case.num_slots, case.block_size
+        fill = torch.tensor([ns, ns + 1, ns + bs, 2 * ns + 3, 2 ** 40, 2 ** 62], dtype=torch.int64)
+        which = torch.randint(0, fill.numel(), (n,), generator=gen)
+        slots = torch.where(past & (slots >= 0), fill[which], slots)
     if case.slots_strided:
         # a strided view into a larger buffer whose other entries are out of range
         big = torch.full((2 * n + 3,), case.num_slots + 7, dtype=torch.int64)
@@ -686,7 +696,7 @@ def check(b: Built) -> None:
     want = b.before.view(bits).clone()
     free = torch.ones_like(want, dtype=torch.bool)  # False: a duplicated slot's elements
     slots = b.slots.cpu()
-    kept = (slots >= 0).nonzero().flatten()
+    kept = ((slots >= 0) & (slots < c.num_slots)).nonzero().flatten()
     kept_slots = slots[kept]
     uniq, inverse, counts = torch.unique(kept_slots, return_inverse=True, return_counts=True)
     dup_token = counts[inverse] > 1

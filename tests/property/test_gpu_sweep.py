@@ -52,12 +52,16 @@ def test_triton_writers_seeded_sweep_cuda(family: str) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_checked_mode_on_cuda_rejects_exactly_duplicates(family: str) -> None:
-    """``check_slots_in_range`` on device tensors: rejects iff a slot repeats."""
+    """``check_slots_in_range`` on device tensors: rejects iff a slot lies past the
+    cache (checked first) or repeats."""
     for i in range(50):
         case = draw_case(RandomChooser(sweep_seed(family, 10_000 + i)), family, max_tokens=512)
         b = build(case, "cuda")
         kept = b.slots[b.slots >= 0]
-        if kept.unique().numel() != kept.numel():
+        if bool((kept >= case.num_slots).any()):
+            with pytest.raises(KVCacheWriteError, match=r"slot\(s\) up to"):
+                check_slots_in_range(b.slots, case.num_slots)
+        elif kept.unique().numel() != kept.numel():
             with pytest.raises(KVCacheWriteError, match="duplicate"):
                 check_slots_in_range(b.slots, case.num_slots)
         else:

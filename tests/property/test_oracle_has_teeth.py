@@ -38,6 +38,15 @@ def _padding_written(b: Built) -> None:
     write(dataclasses.replace(b, slots=s), "torch")
 
 
+def _past_cache_wrapped(b: Built) -> None:
+    """Slots past the cache not skipped: wrapped around into the cache (what an
+    unmasked kernel does with a wrapping offset)."""
+    s = b.slots.clone()
+    past = s >= b.case.num_slots
+    s[past] = s[past] % b.case.num_slots
+    write(dataclasses.replace(b, slots=s), "torch")
+
+
 def _reads_past_num_tokens(b: Built) -> None:
     """``num_tokens`` taken from ``key.shape[0]``: the padded rows get written too."""
     n, rows = b.case.num_tokens, b.key.shape[0]
@@ -80,12 +89,15 @@ def _cases(pred: Callable[[WriteCase], bool]) -> WriteCase:
 
 
 def _kept(case: WriteCase) -> bool:
-    return case.num_tokens > 0 and case.neg_percent < 100 and case.duplicates == 0
+    return (case.num_tokens > 0 and case.neg_percent < 100 and case.duplicates == 0
+            and case.past_percent == 0)
 
 
 MUTANTS: list[tuple[str, Callable[[Built], None], Callable[[WriteCase], bool]]] = [
     ("neighbour", _neighbour, lambda c: _kept(c) and c.num_slots > c.num_tokens),
     ("padding_written", _padding_written, lambda c: c.num_tokens > 0 and c.neg_percent == 50),
+    ("past_cache_wrapped", _past_cache_wrapped,
+     lambda c: c.num_tokens > 0 and c.past_percent == 50 and c.neg_percent == 0),
     ("reads_past_num_tokens", _reads_past_num_tokens,
      lambda c: _kept(c) and c.extra_rows > 0 and c.num_slots >= c.num_tokens + c.extra_rows),
     ("ignores_strides", _ignores_strides,

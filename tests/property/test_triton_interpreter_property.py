@@ -9,12 +9,20 @@ Triton is not installed; the compiled kernels get the seeded GPU sweep
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.property.conftest import profile_settings
-from tests.property.model import FAMILIES, HypothesisChooser, draw_case, run_case
+from tests.property.model import (
+    FAMILIES,
+    HypothesisChooser,
+    RandomChooser,
+    draw_case,
+    run_case,
+)
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton writer kernels "
                                      "cannot run (not even interpreted) here")
@@ -34,3 +42,17 @@ pytestmark = [pytest.mark.filterwarnings(f"ignore:{msg}:RuntimeWarning")
 @given(data=st.data())
 def test_triton_kernels_interpreted_never_lose_a_byte(family: str, data: st.DataObject) -> None:
     run_case(draw_case(HypothesisChooser(data.draw), family, small=True), "cpu", "triton")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_slots_past_the_cache_are_skipped_interpreted(family: str) -> None:
+    """Unchecked mode: half the tokens name a slot past the cache (``num_slots`` up to
+    ``2**62``); the kernels store nothing for them and every other byte is exact (an
+    unmasked kernel writes out of bounds, or wraps into another slot)."""
+    for seed in range(4):
+        case = draw_case(RandomChooser(7000 + seed), family, small=True)
+        case = dataclasses.replace(case, num_tokens=max(case.num_tokens, 4),
+                                   num_blocks=max(case.num_blocks, 4 // case.block_size + 1),
+                                   past_percent=50, neg_percent=0)
+        run_case(case, "cpu", "triton")
+        run_case(case, "cpu", "torch")

@@ -141,7 +141,8 @@ def scatter_kv_kernel(
     vc_ptr: tl.tensor, vc_sb: tl.tensor, vc_so_hi: tl.tensor, vc_so_lo: tl.tensor, vc_sh: tl.tensor,
     vc_sd_hi: tl.tensor, vc_sd_lo: tl.tensor,
     ks_ptr: tl.tensor, ks_sh: tl.tensor, vs_ptr: tl.tensor, vs_sh: tl.tensor,
-    num_heads: tl.tensor, block_size: tl.tensor, head_size_k: tl.tensor, head_size_v: tl.tensor,
+    num_heads: tl.tensor, block_size: tl.tensor, num_slots: tl.tensor,
+    head_size_k: tl.tensor, head_size_v: tl.tensor,
     IN_KIND: tl.constexpr, MODE: tl.constexpr,
     K_XO: tl.constexpr, K_XD: tl.constexpr, V_XO: tl.constexpr, V_XD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -157,7 +158,7 @@ def scatter_kv_kernel(
     t = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     slot = tl.load(slot_ptr + t * slot_st)
-    valid = slot >= 0
+    valid = (slot >= 0) & (slot < num_slots)
     _scatter_rows(slot, valid, t, pid_h, k_ptr, k_st, k_sh, k_sd,
                   kc_ptr, kc_sb, kc_so_hi, kc_so_lo, kc_sh, kc_sd_hi, kc_sd_lo,
                   ks_ptr, ks_sh, num_heads, block_size, head_size_k,
@@ -223,7 +224,7 @@ def per_token_head_kernel(
     v_ptr: tl.tensor, v_st: tl.tensor, v_sh: tl.tensor, v_sd: tl.tensor,
     kc_ptr: tl.tensor, kc_sb: tl.tensor, kc_so: tl.tensor, kc_sh: tl.tensor, kc_sj: tl.tensor,
     vc_ptr: tl.tensor, vc_sb: tl.tensor, vc_so: tl.tensor, vc_sh: tl.tensor, vc_sj: tl.tensor,
-    num_heads: tl.tensor, block_size: tl.tensor, head_size: tl.tensor,
+    num_heads: tl.tensor, block_size: tl.tensor, num_slots: tl.tensor, head_size: tl.tensor,
     IN_KIND: tl.constexpr, INT8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ) -> None:
     """One program per (token, group of heads); the cache operands are uint8
@@ -231,7 +232,7 @@ def per_token_head_kernel(
     t = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     slot = tl.load(slot_ptr + t * slot_st)
-    valid = slot >= 0
+    valid = (slot >= 0) & (slot < num_slots)
     _per_token_head_rows(slot, valid, t, pid_h, k_ptr, k_st, k_sh, k_sd,
                          kc_ptr, kc_sb, kc_so, kc_sh, kc_sj, num_heads, block_size, head_size,
                          IN_KIND, INT8, BLOCK_H, BLOCK_D)
@@ -246,14 +247,14 @@ def fp8_ds_mla_kernel(
     kv_ptr: tl.tensor, kv_st: tl.tensor, kv_sd: tl.tensor,
     pe_ptr: tl.tensor, pe_st: tl.tensor, pe_sd: tl.tensor,
     c_ptr: tl.tensor, c_sb: tl.tensor, c_so: tl.tensor, c_sj: tl.tensor,
-    block_size: tl.tensor,
+    block_size: tl.tensor, num_slots: tl.tensor,
     IN_KIND: tl.constexpr,
 ) -> None:
     """One program per token: the 656-byte entry (512 E4M3, 4 float32 tile scales,
     64 16-bit rope values; fp32 rope is rounded to bf16)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t * slot_st)
-    valid = slot >= 0
+    valid = (slot >= 0) & (slot < num_slots)
     tile = tl.arange(0, 4)
     j = tile[:, None] * 128 + tl.arange(0, 128)[None, :]  # [4, 128] latent index
     full = valid & (j >= 0)
@@ -352,7 +353,7 @@ def rope_kv_kernel(
     vc_ptr: tl.tensor, vc_sb: tl.tensor, vc_so_hi: tl.tensor, vc_so_lo: tl.tensor, vc_sh: tl.tensor,
     vc_sd_hi: tl.tensor, vc_sd_lo: tl.tensor,
     ks_ptr: tl.tensor, ks_sh: tl.tensor, vs_ptr: tl.tensor, vs_sh: tl.tensor,
-    block_size: tl.tensor,
+    block_size: tl.tensor, num_slots: tl.tensor,
     IN_KIND: tl.constexpr, CS_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr,
     NEOX: tl.constexpr, WRITE: tl.constexpr, PASS_K: tl.constexpr,
     K_XO: tl.constexpr, K_XD: tl.constexpr, V_XO: tl.constexpr, V_XD: tl.constexpr,
@@ -392,7 +393,7 @@ def rope_kv_kernel(
         if WRITE:
             live = t < num_write
             slot = tl.load(slot_ptr + t * slot_st, mask=live, other=-1)
-            ok = live & (slot >= 0)
+            ok = live & (slot >= 0) & (slot < num_slots)
             m = ok & hm[:, None] & jm[None, :]
             base = k_ptr + t * k_st + h * k_sh
             b1, b2 = _rope_pairs(base, k_sd, m, i1, i2, c, s, IN_KIND)
@@ -500,7 +501,8 @@ def scatter_kv_tiled_kernel(
     kc_ptr: tl.tensor, kc_sb: tl.tensor, kc_so: tl.tensor, kc_sh: tl.tensor, kc_sd: tl.tensor,
     vc_ptr: tl.tensor, vc_sb: tl.tensor, vc_so: tl.tensor, vc_sh: tl.tensor, vc_sd: tl.tensor,
     ks_ptr: tl.tensor, ks_sh: tl.tensor, vs_ptr: tl.tensor, vs_sh: tl.tensor,
-    num_heads: tl.tensor, block_size: tl.tensor, head_size_k: tl.tensor, head_size_v: tl.tensor,
+    num_heads: tl.tensor, block_size: tl.tensor, num_slots: tl.tensor,
+    head_size_k: tl.tensor, head_size_v: tl.tensor,
     IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ) -> None:
@@ -511,7 +513,7 @@ def scatter_kv_tiled_kernel(
     pid_h = tl.program_id(1)
     tm = t < num_tokens
     slot = tl.load(slot_ptr + t * slot_st, mask=tm, other=-1)
-    ok = tm & (slot >= 0)
+    ok = tm & (slot >= 0) & (slot < num_slots)
     blk = slot // block_size
     off = slot % block_size
     _scatter_tile(t, tm, ok, blk * kc_sb + off * kc_so, pid_h, k_ptr, k_st, k_sh, k_sd,

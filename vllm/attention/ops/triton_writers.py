@@ -116,6 +116,12 @@ class ScatterTarget:
         sb, sh, sbx, sd, sx = v5.stride()
         return cls(v5, bx * x, h, d, sb, sh, sbx, sd, stride_off_lo=sx, off_split=x)
 
+    @property
+    def num_slots(self) -> int:
+        """Slots of the cache (``num_blocks * block_size``): the kernels store nothing for
+        a slot outside ``[0, num_slots)``."""
+        return int(self.tensor.shape[0]) * self.block_size
+
     def args(self) -> tuple[torch.Tensor | int, ...]:
         return (_bits(self.tensor), self.stride_block, self.stride_off_hi, self.stride_off_lo,
                 self.stride_head, self.stride_dim_hi, self.stride_dim_lo)
@@ -189,7 +195,7 @@ def scatter_kv_launch(
              v_target.stride_head, v_target.stride_dim_hi,
              k_scale, 0 if k_scale.numel() == 1 else k_scale.stride(0),
              v_scale, 0 if v_scale.numel() == 1 else v_scale.stride(0),
-             h, k_target.block_size, dk, dv),
+             h, k_target.block_size, k_target.num_slots, dk, dv),
             {"IN_KIND": _IN_KIND[key.dtype], "MODE": mode,
              "HW_CVT": mode != 0 and hardware_fp8(k_target.tensor.device),
              "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_DK": block_dk,
@@ -203,7 +209,7 @@ def scatter_kv_launch(
          *k_target.args(), *v_target.args(),
          k_scale, 0 if k_scale.numel() == 1 else k_scale.stride(0),
          v_scale, 0 if v_scale.numel() == 1 else v_scale.stride(0),
-         h, k_target.block_size, dk, dv),
+         h, k_target.block_size, k_target.num_slots, dk, dv),
         {"IN_KIND": _IN_KIND[key.dtype], "MODE": mode,
          "K_XO": k_target.off_split, "K_XD": k_target.dim_split,
          "V_XO": v_target.off_split, "V_XD": v_target.dim_split,
@@ -290,7 +296,7 @@ def per_token_head_launch(
         (slot_mapping, slot_mapping.stride(0),
          *_rows(key), *_rows(value),
          k_view, *k_view.stride(), v_view, *v_view.stride(),
-         h, bs, d),
+         h, bs, k_view.shape[0] * bs, d),
         {"IN_KIND": _IN_KIND[key.dtype], "INT8": int8, "BLOCK_H": block_h, "BLOCK_D": block_d},
     )
 
@@ -320,7 +326,7 @@ def fp8_ds_mla_launch(
          _bits(kv_c_normed), *kv_c_normed.stride(),
          _bits(k_pe), *k_pe.stride(),
          kv_cache, *kv_cache.stride(),
-         kv_cache.shape[1]),
+         kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1]),
         {"IN_KIND": _IN_KIND[kv_c_normed.dtype]},
     )
 
@@ -376,7 +382,7 @@ def _rope_launch(
         mode = 0
         k_t: tuple[torch.Tensor | int, ...] = (_bits(key), 0, 0, 0, 0, 0, 0)  # never read
         w_args: tuple[torch.Tensor | int, ...] = (
-            _bits(key), 0, 0, *_rows(key)[:4], 0, *k_t, *k_t, _bits(key), 0, _bits(key), 0, 1)
+            _bits(key), 0, 0, *_rows(key)[:4], 0, *k_t, *k_t, _bits(key), 0, _bits(key), 0, 1, 0)
         w_roles: tuple[str, ...] = ("key",) * 6
         xsplit = {"K_XO": 1, "K_XD": 1, "V_XO": 1, "V_XD": 1}
     else:
@@ -393,7 +399,7 @@ def _rope_launch(
                   *k_target.args(), *v_target.args(),
                   k_scale, 0 if k_scale.numel() == 1 else k_scale.stride(0),
                   v_scale, 0 if v_scale.numel() == 1 else v_scale.stride(0),
-                  k_target.block_size)
+                  k_target.block_size, k_target.num_slots)
         w_roles = ("slots", "value", "cache", "cache", *scale_roles)
         xsplit = {"K_XO": k_target.off_split, "K_XD": k_target.dim_split,
                   "V_XO": v_target.off_split, "V_XD": v_target.dim_split}

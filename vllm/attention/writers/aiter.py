@@ -33,7 +33,7 @@ def reference_aiter_write(
     ``V[b, h, o // x, d, o % x] = value[i, h, d]`` for ``(b, o) = divmod(slot, bs)``."""
     n = slot_mapping.shape[0]
     x = k5.shape[4]
-    keep, blocks, offsets = kept_slots(slot_mapping, k5.shape[3])
+    keep, blocks, offsets = kept_slots(slot_mapping, k5.shape[0], k5.shape[3])
     dt = quant.kv_cache_dtype
     k = store_values(key[:n][keep], dt, quant.k_scale, k5.dtype)
     v = store_values(value[:n][keep], dt, quant.v_scale, v5.dtype)

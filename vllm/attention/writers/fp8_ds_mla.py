@@ -73,7 +73,7 @@ def reference_fp8_ds_mla_write(
 ) -> None:
     """``kv_cache[slot // bs, slot % bs] = ds_mla_entries(kv_c[i], k_pe[i])``."""
     n = slot_mapping.shape[0]
-    keep, blocks, offsets = kept_slots(slot_mapping, kv_cache.shape[1])
+    keep, blocks, offsets = kept_slots(slot_mapping, kv_cache.shape[0], kv_cache.shape[1])
     kv_cache[blocks, offsets] = ds_mla_entries(kv_c[:n][keep], k_pe[:n][keep])
 
 

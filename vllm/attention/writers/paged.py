@@ -43,7 +43,7 @@ def reference_legacy_paged_write(
     """``K[b, h, d // x, o, d % x] = key[i, h, d]`` and ``V[b, h, d, o] = value[i, h, d]``
     for ``(b, o) = divmod(slot_mapping[i], bs)``."""
     n = slot_mapping.shape[0]
-    keep, blocks, offsets = kept_slots(slot_mapping, k5.shape[3])
+    keep, blocks, offsets = kept_slots(slot_mapping, k5.shape[0], k5.shape[3])
     dt = quant.kv_cache_dtype
     k = store_values(key[:n][keep], dt, quant.k_scale, k5.dtype)
     v = store_values(value[:n][keep], dt, quant.v_scale, v4.dtype)

@@ -77,7 +77,7 @@ def reference_per_token_head_write(
     """``view[slot // bs, slot % bs] = per_token_head_rows(x[i])`` for K and V;
     views uint8 ``[nb, bs, H, D + 4]``."""
     n = slot_mapping.shape[0]
-    keep, blocks, offsets = kept_slots(slot_mapping, k_view.shape[1])
+    keep, blocks, offsets = kept_slots(slot_mapping, k_view.shape[0], k_view.shape[1])
     k_view[blocks, offsets] = per_token_head_rows(key[:n][keep], cache_dtype)
     v_view[blocks, offsets] = per_token_head_rows(value[:n][keep], cache_dtype)
 

@@ -50,10 +50,12 @@ def scatter_mode(cache_dtype: KVCacheDType) -> int:
     return _SCATTER_MODE[cache_dtype]
 
 
-def kept_slots(slot_mapping: torch.Tensor, block_size: int
+def kept_slots(slot_mapping: torch.Tensor, num_blocks: int, block_size: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(keep, blocks, offsets)``: the mask of non-negative slots and their block/offset."""
-    keep = slot_mapping >= 0
+    """``(keep, blocks, offsets)``: the mask of the slots a write stores (those in
+    ``[0, num_blocks * block_size)``: negative ones are padding, larger ones are past the
+    cache and skipped outside checked mode) and their block/offset."""
+    keep = (slot_mapping >= 0) & (slot_mapping < num_blocks * block_size)
     slots = slot_mapping[keep]
     return keep, slots // block_size, slots % block_size
 
@@ -71,7 +73,7 @@ def reference_split_write(
     ``k_view``/``v_view``: ``[nb, bs, H, D]`` views (any strides) of the cache.
     """
     n = slot_mapping.shape[0]
-    keep, blocks, offsets = kept_slots(slot_mapping, k_view.shape[1])
+    keep, blocks, offsets = kept_slots(slot_mapping, k_view.shape[0], k_view.shape[1])
     dt = quant.kv_cache_dtype
     k = store_values(key[:n][keep], dt, quant.k_scale, k_view.dtype)
     v = store_values(value[:n][keep], dt, quant.v_scale, v_view.dtype)
