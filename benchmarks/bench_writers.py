@@ -235,6 +235,38 @@ def build(cfg: Config, n: int, args: argparse.Namespace, device: torch.device,
     return Setup(write_kv, launch, cache, read + written, (key, value, slots))
 
 
+INDEX_COPY = "baseline/index_copy_"
+
+
+def _index_copy_rows(args: argparse.Namespace, device: torch.device, gen: torch.Generator,
+                     copy_gbps: float) -> list[Row]:
+    """The ``index_copy_`` baseline of the issue: K and V rows put at their slots of a
+    split_kv_first bf16 cache (K and V each ``[slots, H, D]`` flat) by two ``index_copy_``
+    calls (no padding support, no checks)."""
+    rows = []
+    for n in args.tokens:
+        row = Row(INDEX_COPY, "torch", n, 0)
+        setup = build(Config(L.SPLIT_KV_FIRST, "auto"), n, args, device, gen)
+        key, value, slots = setup.args
+        k_view, v_view = split_kv_views(setup.cache, L.SPLIT_KV_FIRST)
+        k_flat = k_view.reshape(-1, *k_view.shape[2:])
+        v_flat = v_view.reshape(-1, *v_view.shape[2:])
+        if k_flat.data_ptr() != k_view.data_ptr() or not k_flat._is_view():
+            row.error = "split_nhd view is not flat-able"
+        else:
+            def put() -> None:
+                k_flat.index_copy_(0, slots, key)
+                v_flat.index_copy_(0, slots, value)
+
+            row.bytes_moved = setup.bytes_moved
+            row.call_us = _event_time_us(put, args.iters, args.warmup, device)
+            row.call_gbps = setup.bytes_moved / (row.call_us * 1e-6) / 1e9
+            row.call_vs_copy = row.call_gbps / copy_gbps
+        rows.append(row)
+        _print_row(row)
+    return rows
+
+
 def _matches_reference(cfg: Config, setup: Setup, path: str) -> bool:
     """A write by the timed path equals the torch reference's, byte for byte."""
     from vllm.attention.writers import reference_write
@@ -299,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = torch.Generator().manual_seed(0)
     rows: list[Row] = []
+    index_copy = _index_copy_rows(args, device, gen, copy_gbps)
     for cfg in configs:
         checked = False
         for n in args.tokens:
@@ -338,7 +371,13 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "bytes_moved": "K/V (or latent/rope) rows read + slot_mapping read + cache bytes written",
     }
-    out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    if index_copy:
+        meta["index_copy_gbps"] = index_copy[-1].call_gbps
+        meta["index_copy"] = ("baseline: torch index_copy_ of K and V rows into a "
+                              "split_kv_first cache viewed as [slots, H, D] (same bytes as "
+                              "the split bf16 writes)")
+    out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows + index_copy]},
+                              indent=1))
     print(f"wrote {out}")
     bad = [r for r in rows if r.error or r.matches_reference is False]
     return 1 if bad else 0

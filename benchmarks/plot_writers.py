@@ -23,10 +23,12 @@ def main(src: str, dst: str) -> int:
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, pts in sorted(series.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+        style = {"color": "grey", "ls": ":", "lw": 2.5} if name.startswith("baseline/") else {}
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name,
+                **style)
     ax.axhline(ceiling, color="k", ls="--", label=f"eager copy_ ceiling {ceiling:.0f} GB/s")
     baseline = data["meta"].get("index_copy_gbps")
-    if baseline:
+    if baseline and "baseline/index_copy_" not in series:
         ax.axhline(baseline, color="grey", ls=":", label=f"index_copy_ {baseline:.0f} GB/s")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens written (random slots)")

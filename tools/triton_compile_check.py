@@ -162,6 +162,7 @@ def record_writers() -> list:
             add(f"tiled-{cdt}-T{n}", launch, HW_CVT=False)
             if mode:
                 add(f"tiled-{cdt}-T{n}-hwcvt", launch, HW_CVT=True)
+                add(f"tiled-{cdt}-T{n}-hwcvt-fastdiv", launch, HW_CVT=True, FAST_DIV=True)
         for neox in (True, False):
             launch = tw.rope_kv_launch(q, key, key, kt, vt, slots, slots, table, neox, mode,
                                        scale, scale)
@@ -193,6 +194,8 @@ def _ptx_problem(name: str, consts: dict[str, Any], ptx: str) -> str | None:
         return "an FMA in a RoPE kernel (products and sums must round one by one)"
     if consts.get("HW_CVT") and "cvt.rn.satfinite" not in ptx:
         return "HW_CVT without a cvt.rn.satfinite conversion"
+    if consts.get("FAST_DIV") and not re.search(r"\bfma\.rn\.f32\b", ptx):
+        return "FAST_DIV without fma.rn.f32 (the Markstein correction)"
     if consts.get("MODE", 0) and set(re.findall(r"\bdiv\.[a-z0-9.]+\.f32\b", ptx)) != {"div.rn.f32"}:
         return "a scaled write that does not divide with div.rn.f32"
     return None

@@ -64,14 +64,10 @@ def test_cached_launch_binds_and_writes_the_reference_bytes(t: int, cache_dtype:
 
 
 def _require_bound(runner: tw.CachedLaunch) -> None:
-    """The direct launch engaged. On the H200 run of 2026-11-30 it did not: Triton 3.6
-    passes empty ``knobs.HookChain`` objects as launch hooks where ``BoundLaunch.bind``
-    expects ``None``, so every call kept Triton's own launch (correct bytes, 5.8x the
-    host time of ``add_``). Normalising empty chains is the likely fix; it must be
-    checked on a GPU, with the hook arguments the C launcher accepts, before it lands."""
-    if not runner.bound:
-        pytest.xfail("bound launcher declined Triton 3.6's empty HookChain launch hooks "
-                     "(see _require_bound)")
+    """The direct launch engaged (Triton 3.6 passes empty ``knobs.HookChain`` launch
+    hooks, which ``BoundLaunch.bind`` accepts as no hooks)."""
+    assert runner.bound, "the cached launch kept Triton's own launcher"
+    assert runner.binding is not None and "current_hooks()" in runner.binding.source
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])

@@ -326,6 +326,41 @@ def test_bound_launch_refuses_where_its_assumptions_break() -> None:
                                get_stream=lambda d: 0) is None
 
 
+@triton_kernels
+def test_bound_launch_accepts_empty_hook_chains_and_yields_to_a_profiler() -> None:
+    """Triton 3.4+ keeps empty ``knobs.HookChain`` objects as launch hooks (older versions
+    kept None): empty chains bind; a hook added later (a profiler) or a replaced hook
+    sends every call back to Triton's own launch, which calls it."""
+    from triton.knobs import HookChain
+
+    first = _live(0, False)
+    fn = getattr(tw.load_kernels(interpret=False), _split_launch(first, 0).kernel)
+    enter, exit_ = HookChain(), HookChain(reversed=True)
+    now: list[object] = [enter, exit_]
+    compiled = _Compiled()
+    bound = tw.BoundLaunch.bind(compiled, _split_launch(first, 0), first,
+                                arg_names=list(fn.arg_names), device=0, get_device=lambda: 0,
+                                get_stream=lambda d: 0, hooks=(enter, exit_),
+                                current_hooks=lambda: (now[0], now[1]))
+    assert bound is not None
+    assert bound(first) and len(compiled.run.calls) == 1
+    assert compiled.run.calls[0][10:13] == (None, None, None)  # no metadata, no hooks
+    enter.add(print)
+    assert not bound(first)
+    enter.remove(print)
+    assert bound(first)
+    now[1] = None  # replaced (here by None): not the object bound against
+    assert not bound(first)
+    assert len(compiled.run.calls) == 2
+    busy = HookChain()
+    busy.add(print)
+    assert tw.BoundLaunch.bind(_Compiled(), _split_launch(first, 0), first,
+                               arg_names=list(fn.arg_names), device=0, get_device=lambda: 0,
+                               get_stream=lambda d: 0, hooks=(busy, None)) is None
+    assert tw.hooks_quiet(None) and tw.hooks_quiet(HookChain())
+    assert not tw.hooks_quiet(busy) and not tw.hooks_quiet(print)
+
+
 def test_cached_launch_falls_back_when_the_launcher_rejects_its_arguments() -> None:
     launches: list[int] = []
 

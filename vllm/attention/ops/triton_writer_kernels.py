@@ -465,12 +465,32 @@ def _fp8_store_bits(y: tl.tensor, MODE: tl.constexpr, HW_CVT: tl.constexpr) -> t
 
 
 @jit
+def _div_by_scale(x: tl.tensor, s: tl.tensor, FAST_DIV: tl.constexpr) -> tl.tensor:
+    """``x`` ``[BLOCK_T, BLOCK_H, D]`` divided by the per-head ``s`` ``[BLOCK_H]``, rounded
+    to nearest even. FAST_DIV (compiled kernels only: it needs a true fused multiply-add)
+    replaces the IEEE division of every element by one per head: ``r = 1/s`` rounded,
+    ``q = x*r``, then one Markstein correction ``q + (x - q*s)*r`` with two FMAs. For a
+    correctly rounded ``r`` and a faithful ``q`` that correction is the correctly rounded
+    quotient; where the residual is NaN (``x`` or ``x/s`` infinite, ``s`` zero or
+    infinite) ``q`` itself is already what the division gives, and is kept."""
+    sb = s[None, :, None]
+    if FAST_DIV:
+        r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[None, :, None]
+        q = x * r
+        q2 = tl.fma(tl.fma(-q, sb, x), r, q)
+        y = tl.where(q2 != q2, q, q2)
+    else:
+        y = tl.div_rn(x, sb)
+    return y
+
+
+@jit
 def _scatter_tile(
     t: tl.tensor, tm: tl.tensor, ok: tl.tensor, row: tl.tensor, pid_h: tl.tensor,
     x_ptr: tl.tensor, x_st: tl.tensor, x_sh: tl.tensor, x_sd: tl.tensor,
     c_ptr: tl.tensor, c_sh: tl.tensor, c_sd: tl.tensor,
     s_ptr: tl.tensor, s_sh: tl.tensor, num_heads: tl.tensor, head_size: tl.tensor,
-    IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr,
+    IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ) -> None:
     """Rows ``[BLOCK_T, BLOCK_H, D]`` of one operand; ``row`` ``[BLOCK_T]`` is each token's
@@ -489,7 +509,7 @@ def _scatter_tile(
         tl.store(dst, bits, mask=store_mask)
     else:
         s = tl.load(s_ptr + h * s_sh, mask=hm, other=1.0)
-        y = tl.div_rn(_widen(bits, IN_KIND), s[None, :, None])
+        y = _div_by_scale(_widen(bits, IN_KIND), s, FAST_DIV)
         tl.store(dst, _fp8_store_bits(y, MODE, HW_CVT), mask=store_mask)
 
 
@@ -503,8 +523,9 @@ def scatter_kv_tiled_kernel(
     ks_ptr: tl.tensor, ks_sh: tl.tensor, vs_ptr: tl.tensor, vs_sh: tl.tensor,
     num_heads: tl.tensor, block_size: tl.tensor, num_slots: tl.tensor,
     head_size_k: tl.tensor, head_size_v: tl.tensor,
-    IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ) -> None:
     """One program per (BLOCK_T tokens, group of BLOCK_H heads) of a token-major cache
     (element ``(slot, h, d)`` at ``blk*sb + off*so + h*sh + d*sd``). MODE as
@@ -518,7 +539,7 @@ def scatter_kv_tiled_kernel(
     off = slot % block_size
     _scatter_tile(t, tm, ok, blk * kc_sb + off * kc_so, pid_h, k_ptr, k_st, k_sh, k_sd,
                   kc_ptr, kc_sh, kc_sd, ks_ptr, ks_sh, num_heads, head_size_k,
-                  IN_KIND, MODE, HW_CVT, BLOCK_H, BLOCK_DK)
+                  IN_KIND, MODE, HW_CVT, FAST_DIV, BLOCK_H, BLOCK_DK)
     _scatter_tile(t, tm, ok, blk * vc_sb + off * vc_so, pid_h, v_ptr, v_st, v_sh, v_sd,
                   vc_ptr, vc_sh, vc_sd, vs_ptr, vs_sh, num_heads, head_size_v,
-                  IN_KIND, MODE, HW_CVT, BLOCK_H, BLOCK_DV)
+                  IN_KIND, MODE, HW_CVT, FAST_DIV, BLOCK_H, BLOCK_DV)

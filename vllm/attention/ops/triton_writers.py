@@ -198,6 +198,7 @@ def scatter_kv_launch(
              h, k_target.block_size, k_target.num_slots, dk, dv),
             {"IN_KIND": _IN_KIND[key.dtype], "MODE": mode,
              "HW_CVT": mode != 0 and hardware_fp8(k_target.tensor.device),
+             "FAST_DIV": mode != 0 and fast_division(k_target.tensor.device),
              "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_DK": block_dk,
              "BLOCK_DV": block_dv},
             roles=("slots", "key", "value", "cache", "cache", *scale_roles),
@@ -259,6 +260,17 @@ def hardware_fp8(device: torch.device) -> bool:
         return False
     index: int | None = device.index
     return _capability(torch.cuda.current_device() if index is None else index) >= (8, 9)
+
+
+def fast_division(device: torch.device) -> bool:
+    """Whether the tiled kernel divides by the scale with one reciprocal per head and a
+    Markstein FMA correction (``FAST_DIV``) instead of an IEEE division per element:
+    compiled CUDA kernels only (the interpreter has no true FMA), on with
+    ``VLLM_KV_FAST_DIV=1`` until its exhaustive byte check has run on a GPU
+    (``docs/performance.md``)."""
+    if device.type != "cuda":
+        return False
+    return os.environ.get("VLLM_KV_FAST_DIV", "0") == "1"
 
 
 def scatter_kv(
@@ -503,13 +515,22 @@ class BoundLaunch:
     def bind(cls, compiled: object, launch: Launch, live: Sequence[torch.Tensor], *,
              arg_names: Sequence[str], device: int,
              get_device: Callable[[], int], get_stream: Callable[[int], int],
-             hooks: tuple[object, object] = (None, None)) -> BoundLaunch | None:
+             hooks: tuple[object, object] = (None, None),
+             current_hooks: Callable[[], tuple[object, object]] | None = None,
+             ) -> BoundLaunch | None:
         """Bind ``launch`` (just run through Triton, which returned ``compiled``) to the
         ``live`` tensors it was built from. None where this launch cannot be replayed
         directly: a launcher of another shape than Triton 3.x's CUDA one, launch hooks
         set (a profiler), per-launch scratch memory, or a pointer Triton specialised as
-        unaligned; such calls keep going through Triton."""
-        if hooks != (None, None):
+        unaligned; such calls keep going through Triton.
+
+        ``hooks``: Triton's launch enter / exit hooks now; each must be None or an empty
+        ``knobs.HookChain`` (Triton 3.4+ keeps empty chains where older versions kept
+        None; the launcher calls neither, so the bound call passes None). With
+        ``current_hooks`` (a function returning the hooks), every call first checks that
+        they are still those objects and still empty, and otherwise returns False, so a
+        profiler that adds a hook later sees every launch."""
+        if not all(hooks_quiet(h) for h in hooks):
             return None
         try:
             launcher: Any = getattr(compiled, "run")
@@ -532,6 +553,15 @@ class BoundLaunch:
         ns: dict[str, object] = {"raw": raw, "function": function, "prefix": prefix,
                                  "get_device": get_device, "get_stream": get_stream}
         body: list[str] = []
+        if current_hooks is not None:
+            ns.update(current_hooks=current_hooks, enter0=hooks[0], exit0=hooks[1])
+            guard = ["    enter, exit_ = current_hooks()",
+                     "    if enter is not enter0 or exit_ is not exit0:",
+                     "        return False"]
+            for name, hook in (("enter", hooks[0]), ("exit_", hooks[1])):
+                if hook is not None:  # an empty HookChain now: it must stay empty
+                    guard += [f"    if {name}.calls:", "        return False"]
+            body += guard
         bases: dict[int, str] = {}
         exprs: list[str] = []
         for pos, role in zip(tensors, launch.roles):
@@ -574,10 +604,26 @@ def _cuda_runtime() -> tuple[Callable[[], int], Callable[[int], int]]:
     return torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
 
 
-def _launch_hooks() -> tuple[object, object]:
+@functools.cache
+def _runtime_knobs() -> Any:
     from triton import knobs
 
-    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return knobs.runtime
+
+
+def _launch_hooks() -> tuple[object, object]:
+    """Triton's launch enter / exit hooks as its own launch passes them now."""
+    rt = _runtime_knobs()
+    return rt.launch_enter_hook, rt.launch_exit_hook
+
+
+def hooks_quiet(hook: object) -> bool:
+    """Whether a Triton launch hook does nothing: None, or a ``knobs.HookChain`` (any
+    object with a ``calls`` list) holding no function."""
+    if hook is None:
+        return True
+    calls = getattr(hook, "calls", None)
+    return isinstance(calls, list) and not calls
 
 
 class CachedLaunch:
@@ -626,5 +672,6 @@ class CachedLaunch:
         self.binding = BoundLaunch.bind(
             compiled, launch, live, arg_names=list(fn.arg_names),
             device=int(cache.get_device()),
-            get_device=get_device, get_stream=get_stream, hooks=_launch_hooks())
+            get_device=get_device, get_stream=get_stream, hooks=_launch_hooks(),
+            current_hooks=_launch_hooks)
         self._bound = None if self.binding is None else self.binding.call

@@ -1,0 +1,117 @@
+"""Launch-parameter sweep of the tiled scatter kernel for the bandwidth targets.
+
+For the target rows of ``bench_writers.py`` (split K/V bf16 and fp8, MLA latent bf16
+and fp8, T = 65536 random slots) times the prebuilt kernel launch with CUDA events
+for every ``BLOCK_T`` x ``num_warps`` (x ``FAST_DIV`` for fp8) and reports GB/s and the
+ratio to an eager ``copy_`` of a 2 GiB bf16 tensor measured in the same run. Every
+variant's cache bytes are compared with the default launch's (a variant that differs
+is reported and never chosen). The defaults in ``vllm/attention/ops/triton_writers.py``
+come from this table (``docs/performance.md``).
+
+    python benchmarks/tune_writers.py --out benchmarks/results/h200
+
+Writes ``tune_writers.json``. Needs CUDA and Triton (exits 0 with a note otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench_writers as bw  # noqa: E402
+
+from vllm.attention.ops.triton_writers import Launch, triton_importable  # noqa: E402
+
+TARGETS = ["split_nhd/auto", "split_nhd/fp8_e4m3", "mla_latent/auto", "mla_latent/fp8_e4m3"]
+
+
+def variant(launch: Launch, n: int, block_t: int, warps: int, fast: bool | None) -> Launch:
+    consts = {**launch.constexprs, "BLOCK_T": block_t}
+    if fast is not None:
+        consts["FAST_DIV"] = fast
+    grid = (-(-n // block_t), *launch.grid[1:])
+    return dataclasses.replace(launch, grid=grid, constexprs=consts,
+                               options={**launch.options, "num_warps": warps})
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/local"))
+    p.add_argument("--tokens", type=int, nargs="+", default=[65536])
+    p.add_argument("--configs", nargs="*", default=TARGETS)
+    p.add_argument("--block-t", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--iters", type=int, default=50)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available() or not triton_importable():
+        print("tune_writers: needs CUDA and Triton; nothing to do here")
+        return 0
+    dev = torch.device("cuda")
+    ns = argparse.Namespace(block_size=16, heads=8, head_size=128, dtype="bf16",
+                            kv_lora_rank=512, rope_dim=64, slots="random", path="triton")
+    copy_gbps, _ = bw.copy_baseline_gbps(2.0, 10, dev)
+    print(f"eager copy_ ceiling: {copy_gbps:.0f} GB/s")
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict[str, object]] = []
+    bad = 0
+    for name in args.configs:
+        cfg = next(c for c in bw.CONFIGS if c.name == name)
+        fp8 = cfg.cache_dtype != "auto"
+        for n in args.tokens:
+            setup = bw.build(cfg, n, ns, dev, gen)
+            base = setup.launch
+            if base is None or base.kernel != "scatter_kv_tiled_kernel":
+                print(f"{name}: not the tiled kernel, skipped")
+                continue
+            setup.cache.zero_()
+            base.run()
+            want = setup.cache.clone()
+            for fast in ((False, True) if fp8 else (None,)):
+                for bt in args.block_t:
+                    for nw in args.warps:
+                        v = variant(base, n, bt, nw, fast)
+                        try:
+                            setup.cache.zero_()
+                            v.run()
+                            same = bool(torch.equal(_raw(setup.cache), _raw(want)))
+                            us = bw._event_time_us(v.run, args.iters, 5, dev)
+                        except Exception as exc:  # a variant that does not compile
+                            print(f"{name} T={n} BLOCK_T={bt} warps={nw} fast={fast}: {exc}")
+                            continue
+                        gbps = setup.bytes_moved / (us * 1e-6) / 1e9
+                        bad += not same
+                        row = {"config": name, "tokens": n, "block_t": bt, "num_warps": nw,
+                               "fast_div": fast, "us": us, "gbps": gbps,
+                               "vs_copy": gbps / copy_gbps, "bytes_equal": same}
+                        rows.append(row)
+                        print(f"{name:22} T={n:<6} BLOCK_T={bt:<3} warps={nw} fast={fast!s:5} "
+                              f"{us:8.1f} us {gbps:7.0f} GB/s {gbps / copy_gbps:5.2f}x"
+                              + ("" if same else "  BYTES DIFFER"))
+            default = {k: base.constexprs.get(k) for k in ("BLOCK_T", "FAST_DIV")}
+            best = max((r for r in rows if r["config"] == name and r["tokens"] == n
+                        and r["bytes_equal"]), key=lambda r: float(r["gbps"]))  # type: ignore[arg-type]
+            print(f"  default {default} warps=4; best {best}")
+            del setup
+            torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tune_writers.json").write_text(json.dumps(
+        {"copy_gbps": copy_gbps, "device": torch.cuda.get_device_name(dev), "rows": rows},
+        indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
