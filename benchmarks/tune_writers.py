@@ -46,6 +46,46 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
+def _rope_sweep(dev: torch.device, iters: int) -> list[dict[str, object]]:
+    """``num_warps`` of the fused RoPE + write kernel without a query (``fused k-only`` of
+    bench_fused_rope.py) at T=8192, next to the plain write's launch, bf16 and fp8."""
+    import bench_fused_rope as bf
+
+    from vllm.attention.layouts import split_kv_views
+    from vllm.attention.ops.triton_writers import ScatterTarget, rope_kv_launch, scatter_kv_launch
+    from vllm.attention.rope import RoPE
+    from vllm.attention.writers.split import scatter_mode
+
+    rows: list[dict[str, object]] = []
+    rope = RoPE.build(bf.D, bf.MAX_POS, device=dev)
+    for cache_dtype in ("auto", "fp8_e4m3"):
+        x = bf._setup(8192, cache_dtype, dev, 0)
+        kv, vv = split_kv_views(x["cache"], bw.L.SPLIT_NHD)
+        kt, vt = ScatterTarget.token_major(kv), ScatterTarget.token_major(vv)
+        mode = scatter_mode(cache_dtype)
+        q = x["quant"]
+        plain = scatter_kv_launch(x["k"], x["v"], kt, vt, x["slots"], mode, q.k_scale, q.v_scale)
+        plain_us = bw._event_time_us(plain.run, iters, 5, dev)
+        fused = rope_kv_launch(None, x["k"], x["v"], kt, vt, x["slots"], x["positions"],
+                               rope.cos_sin_cache, True, mode, q.k_scale, q.v_scale)
+        x["cache"].zero_()
+        fused.run()
+        want = _raw(x["cache"]).clone()
+        for nw in (1, 2, 4, 8):
+            v = dataclasses.replace(fused, options={**fused.options, "num_warps": nw})
+            x["cache"].zero_()
+            v.run()
+            same = bool(torch.equal(_raw(x["cache"]), want))
+            us = bw._event_time_us(v.run, iters, 5, dev)
+            rows.append({"config": f"rope_k_only/{cache_dtype}", "tokens": 8192,
+                         "num_warps": nw, "us": us, "plain_write_us": plain_us,
+                         "vs_plain_write": us / plain_us, "bytes_equal": same})
+            print(f"rope k-only {cache_dtype:9} T=8192 warps={nw}: {us:7.2f} us, plain write "
+                  f"{plain_us:7.2f} us, ratio {us / plain_us:5.3f}"
+                  + ("" if same else "  BYTES DIFFER"))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  default {default} warps=4; best {best}")
             del setup
             torch.cuda.empty_cache()
+    rows += _rope_sweep(dev, args.iters)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tune_writers.json").write_text(json.dumps(
         {"copy_gbps": copy_gbps, "device": torch.cuda.get_device_name(dev), "rows": rows},

@@ -397,30 +397,32 @@ def rope_kv_kernel(
             m = ok & hm[:, None] & jm[None, :]
             base = k_ptr + t * k_st + h * k_sh
             b1, b2 = _rope_pairs(base, k_sd, m, i1, i2, c, s, IN_KIND)
-            blk = slot // block_size
-            off = slot % block_size
-            kdst = (kc_ptr + blk * kc_sb + (off // K_XO) * kc_so_hi + (off % K_XO) * kc_so_lo
-                    + h * kc_sh)
+            # every load before the first store (see scatter_kv_tiled_kernel)
+            if PASS_K:
+                d = 2 * half + tl.arange(0, BLOCK_PK)
+                pm = ok & hm[:, None] & (d < head_size_k)[None, :]
+                pbits = tl.load(base[:, None] + d[None, :] * k_sd, mask=pm, other=0)
+            dv = tl.arange(0, BLOCK_DV)
+            vm = ok & hm[:, None] & (dv < head_size_v)[None, :]
+            vbits = tl.load(v_ptr + t * v_st + h[:, None] * v_sh + dv[None, :] * v_sd, mask=vm,
+                            other=0)
             if MODE == 0:
                 sk = 1.0
                 sv = 1.0
             else:
                 sk = tl.load(ks_ptr + h * ks_sh, mask=hm, other=1.0)[:, None]
                 sv = tl.load(vs_ptr + h * vs_sh, mask=hm, other=1.0)[:, None]
+            blk = slot // block_size
+            off = slot % block_size
+            kdst = (kc_ptr + blk * kc_sb + (off // K_XO) * kc_so_hi + (off % K_XO) * kc_so_lo
+                    + h * kc_sh)
             _store_as(kdst[:, None] + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, :],
                       b1, sk, m, IN_KIND, MODE, HW_CVT)
             _store_as(kdst[:, None] + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, :],
                       b2, sk, m, IN_KIND, MODE, HW_CVT)
             if PASS_K:
-                d = 2 * half + tl.arange(0, BLOCK_PK)
-                pm = ok & hm[:, None] & (d < head_size_k)[None, :]
-                bits = tl.load(base[:, None] + d[None, :] * k_sd, mask=pm, other=0)
                 _store_as(kdst[:, None] + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, :],
-                          bits, sk, pm, IN_KIND, MODE, HW_CVT)
-            dv = tl.arange(0, BLOCK_DV)
-            vm = ok & hm[:, None] & (dv < head_size_v)[None, :]
-            vbits = tl.load(v_ptr + t * v_st + h[:, None] * v_sh + dv[None, :] * v_sd, mask=vm,
-                            other=0)
+                          pbits, sk, pm, IN_KIND, MODE, HW_CVT)
             vdst = (vc_ptr + blk * vc_sb + (off // V_XO) * vc_so_hi + (off % V_XO) * vc_so_lo
                     + h * vc_sh)
             _store_as(vdst[:, None] + ((dv // V_XD) * vc_sd_hi + (dv % V_XD) * vc_sd_lo)[None, :],
@@ -485,30 +487,45 @@ def _div_by_scale(x: tl.tensor, s: tl.tensor, FAST_DIV: tl.constexpr) -> tl.tens
 
 
 @jit
-def _scatter_tile(
-    t: tl.tensor, tm: tl.tensor, ok: tl.tensor, row: tl.tensor, pid_h: tl.tensor,
+def _tile_load(
+    t: tl.tensor, tm: tl.tensor, pid_h: tl.tensor,
     x_ptr: tl.tensor, x_st: tl.tensor, x_sh: tl.tensor, x_sd: tl.tensor,
-    c_ptr: tl.tensor, c_sh: tl.tensor, c_sd: tl.tensor,
     s_ptr: tl.tensor, s_sh: tl.tensor, num_heads: tl.tensor, head_size: tl.tensor,
-    IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-) -> None:
-    """Rows ``[BLOCK_T, BLOCK_H, D]`` of one operand; ``row`` ``[BLOCK_T]`` is each token's
-    element offset of ``(slot, head 0, dim 0)`` in the cache operand."""
+    MODE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """Input bits ``[BLOCK_T, BLOCK_H, D]`` of one operand and its per-head scales (ones
+    for MODE 0, not loaded)."""
     h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     hm = h < num_heads
-    inner = hm[None, :, None] & (d < head_size)[None, None, :]
-    load_mask = tm[:, None, None] & inner
+    load_mask = tm[:, None, None] & hm[None, :, None] & (d < head_size)[None, None, :]
     src = (x_ptr + t[:, None, None] * x_st + h[None, :, None] * x_sh
            + d[None, None, :] * x_sd)
-    dst = c_ptr + row[:, None, None] + h[None, :, None] * c_sh + d[None, None, :] * c_sd
-    store_mask = ok[:, None, None] & inner
     bits = tl.load(src, mask=load_mask, other=0)
+    if MODE == 0:
+        s = tl.full((BLOCK_H,), 1.0, tl.float32)
+    else:
+        s = tl.load(s_ptr + h * s_sh, mask=hm, other=1.0)
+    return bits, s
+
+
+@jit
+def _tile_store(
+    bits: tl.tensor, s: tl.tensor, ok: tl.tensor, row: tl.tensor, pid_h: tl.tensor,
+    c_ptr: tl.tensor, c_sh: tl.tensor, c_sd: tl.tensor, num_heads: tl.tensor,
+    head_size: tl.tensor,
+    IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+) -> None:
+    """Store :func:`_tile_load`'s rows; ``row`` ``[BLOCK_T]`` is each token's element offset
+    of ``(slot, head 0, dim 0)`` in the cache operand."""
+    h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    store_mask = ok[:, None, None] & (h < num_heads)[None, :, None] & (d < head_size)[None, None, :]
+    dst = c_ptr + row[:, None, None] + h[None, :, None] * c_sh + d[None, None, :] * c_sd
     if MODE == 0:
         tl.store(dst, bits, mask=store_mask)
     else:
-        s = tl.load(s_ptr + h * s_sh, mask=hm, other=1.0)
         y = _div_by_scale(_widen(bits, IN_KIND), s, FAST_DIV)
         tl.store(dst, _fp8_store_bits(y, MODE, HW_CVT), mask=store_mask)
 
@@ -535,11 +552,16 @@ def scatter_kv_tiled_kernel(
     tm = t < num_tokens
     slot = tl.load(slot_ptr + t * slot_st, mask=tm, other=-1)
     ok = tm & (slot >= 0) & (slot < num_slots)
+    # Every load before the first store: the stores may alias the inputs as far as the
+    # compiler knows, so loads placed after a store would wait for it (one more memory
+    # round trip on the latency-bound small writes).
+    kb, ks = _tile_load(t, tm, pid_h, k_ptr, k_st, k_sh, k_sd, ks_ptr, ks_sh, num_heads,
+                        head_size_k, MODE, BLOCK_H, BLOCK_DK)
+    vb, vs = _tile_load(t, tm, pid_h, v_ptr, v_st, v_sh, v_sd, vs_ptr, vs_sh, num_heads,
+                        head_size_v, MODE, BLOCK_H, BLOCK_DV)
     blk = slot // block_size
     off = slot % block_size
-    _scatter_tile(t, tm, ok, blk * kc_sb + off * kc_so, pid_h, k_ptr, k_st, k_sh, k_sd,
-                  kc_ptr, kc_sh, kc_sd, ks_ptr, ks_sh, num_heads, head_size_k,
-                  IN_KIND, MODE, HW_CVT, FAST_DIV, BLOCK_H, BLOCK_DK)
-    _scatter_tile(t, tm, ok, blk * vc_sb + off * vc_so, pid_h, v_ptr, v_st, v_sh, v_sd,
-                  vc_ptr, vc_sh, vc_sd, vs_ptr, vs_sh, num_heads, head_size_v,
-                  IN_KIND, MODE, HW_CVT, FAST_DIV, BLOCK_H, BLOCK_DV)
+    _tile_store(kb, ks, ok, blk * kc_sb + off * kc_so, pid_h, kc_ptr, kc_sh, kc_sd, num_heads,
+                head_size_k, IN_KIND, MODE, HW_CVT, FAST_DIV, BLOCK_H, BLOCK_DK)
+    _tile_store(vb, vs, ok, blk * vc_sb + off * vc_so, pid_h, vc_ptr, vc_sh, vc_sd, num_heads,
+                head_size_v, IN_KIND, MODE, HW_CVT, FAST_DIV, BLOCK_H, BLOCK_DV)
