@@ -38,15 +38,16 @@ def _rope_pairs(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tenso
 
 
 def dense_logits(model: DecoderModel, ids: list[int]) -> torch.Tensor:
-    """Last-position logits of ``ids`` with expanded (non-absorbed) MLA, no cache."""
+    """Last-position logits of ``ids`` with expanded (non-absorbed) MLA, no cache,
+    in float64 on CPU (the weights may live on CUDA)."""
     cfg = model.config
     mla = cfg.mla
     assert mla is not None
     L, P, R, V = mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
     eps = cfg.rms_norm_eps
 
-    def w(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().double()
+    def w(t: torch.Tensor) -> torch.Tensor:  # on CPU whatever device served the weights
+        return t.detach().to("cpu", torch.float64)
 
     T = len(ids)
     pos = torch.arange(T)
