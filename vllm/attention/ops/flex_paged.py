@@ -53,7 +53,10 @@ _ZERO_COPY_LAYOUTS = (
 def _compiled_flex() -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # dynamic=None: serving changes the shapes every step; after the first recompile
+    # Dynamo marks the changing sizes dynamic instead of recompiling per shape (with
+    # dynamic=False a served model hit the recompile limit within 8 steps).
+    return torch.compile(flex_attention)
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: Any,
@@ -64,8 +67,13 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: Any,
     fn: Callable[..., Any] = flex_attention
     if compiled:
         try:
-            return _checked(_compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                             scale=scale, enable_gqa=q.shape[1] != k.shape[1]))
+            with warnings.catch_warnings():
+                # past Dynamo's recompile limit the compiled function runs flex eagerly,
+                # which warns: the same unfused fallback as below, silenced alike
+                warnings.filterwarnings("ignore", message=_EAGER_WARNING, category=UserWarning)
+                out = _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                       scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+            return _checked(out)
         except Exception as exc:
             if not _is_compile_failure(exc):
                 raise
