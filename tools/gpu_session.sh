@@ -30,13 +30,15 @@ run_tests() {  # name, timeout, paths...
   grep -E "passed|failed" "$LOGS/test_$name.txt" | tail -n 1 | tee -a "$LOGS/summary.txt"
   grep -E "^FAILED|^ERROR" "$LOGS/test_$name.txt" | head -n 8 | tee -a "$LOGS/summary.txt"
 }
+# AREAS picks the test areas of the tests phase (default: all, in this order)
+areas=" ${AREAS:-writers ops property mla runner speed} "
 if [[ "$what" == *" tests "* ]]; then
-  run_tests writers ${T_WRITERS:-120} tests/writers
-  run_tests ops ${T_OPS:-90} tests/ops
-  VLLM_KV_GPU_SWEEP=${SWEEP:-60} run_tests property ${T_PROP:-90} tests/property tests/test_fp8_edges.py
-  run_tests mla ${T_MLA:-120} tests/mla
-  run_tests runner ${T_RUNNER:-120} tests/runner
-  run_tests speed ${T_SPEED:-90} tests/speed
+  [[ "$areas" == *" writers "* ]] && run_tests writers ${T_WRITERS:-120} tests/writers
+  [[ "$areas" == *" ops "* ]] && run_tests ops ${T_OPS:-90} tests/ops
+  [[ "$areas" == *" property "* ]] && VLLM_KV_GPU_SWEEP=${SWEEP:-60} run_tests property ${T_PROP:-90} tests/property tests/test_fp8_edges.py
+  [[ "$areas" == *" mla "* ]] && run_tests mla ${T_MLA:-120} tests/mla
+  [[ "$areas" == *" runner "* ]] && VLLM_GPU_REPORT_DIR=$LOGS run_tests runner ${T_RUNNER:-120} tests/runner
+  [[ "$areas" == *" speed "* ]] && run_tests speed ${T_SPEED:-90} tests/speed
 fi
 if [[ "$what" == *" backends "* ]]; then
   run_tests backends ${T_BACKENDS:-200} tests/backends
@@ -55,5 +57,5 @@ if [[ "$what" == *" bench "* ]]; then
   done
 fi
 tar -czf "$FINAL/results.tgz" -C "$LOGS" .
-for f in summary env backends_cuda check_cuda; do [ -f "$LOGS/$f.txt" ] && cp "$LOGS/$f.txt" "$FINAL/"; done
+for f in summary env backends_cuda check_cuda gpu_every_backend; do [ -f "$LOGS/$f.txt" ] && cp "$LOGS/$f.txt" "$FINAL/"; done
 cat "$LOGS/summary.txt" 2>/dev/null
