@@ -179,6 +179,9 @@ def _division_scales(gen: torch.Generator) -> list[float]:
     special += [float(torch.nextafter(torch.tensor(v), torch.tensor(10.0)))
                 for v in (1.0, 2.0, 0.5)]
     special += [float(v) for v in (10.0 ** (torch.rand(48, generator=gen) * 8 - 4))]
+    # reciprocals that overflow (zero, subnormal: the per-element fallback), a subnormal
+    # with a finite reciprocal, and near the top of the float32 range
+    special += [0.0, 1e-39, 2.0**-127, 1e38, 3e38]
     return [float(torch.tensor(v, dtype=torch.float32)) for v in special]
 
 
@@ -190,7 +193,7 @@ def test_fast_division_is_byte_identical_exhaustively(in_dtype: str, cache_dtype
     """The tiled kernel's FAST_DIV (one reciprocal per head plus a Markstein FMA
     correction) stores exactly the bytes of the torch reference computed on the CPU:
     every bf16 / fp16 bit pattern (and 2**20 random fp32 patterns, specials included)
-    against 59 scales per head; with FAST_DIV off too (the IEEE division per element)."""
+    against 67 scales per head; with FAST_DIV off too (the IEEE division per element)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{in_dtype}{cache_dtype}".encode()))
     heads = 4
     if in_dtype == "fp32":

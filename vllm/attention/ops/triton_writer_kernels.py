@@ -59,6 +59,11 @@ def _max(a: tl.tensor, b: tl.tensor) -> tl.tensor:
 
 
 @jit
+def _min(a: tl.tensor, b: tl.tensor) -> tl.tensor:
+    return tl.minimum(a, b)
+
+
+@jit
 def _clamp_keep_nan(y: tl.tensor, lo: tl.constexpr, hi: tl.constexpr) -> tl.tensor:
     c = tl.minimum(tl.maximum(y, lo), hi)
     return tl.where(y != y, y, c)
@@ -471,16 +476,23 @@ def _div_by_scale(x: tl.tensor, s: tl.tensor, FAST_DIV: tl.constexpr) -> tl.tens
     """``x`` ``[BLOCK_T, BLOCK_H, D]`` divided by the per-head ``s`` ``[BLOCK_H]``, rounded
     to nearest even. FAST_DIV (compiled kernels only: it needs a true fused multiply-add)
     replaces the IEEE division of every element by one per head: ``r = 1/s`` rounded,
-    ``q = x*r``, then one Markstein correction ``q + (x - q*s)*r`` with two FMAs. For a
-    correctly rounded ``r`` and a faithful ``q`` that correction is the correctly rounded
-    quotient; where the residual is NaN (``x`` or ``x/s`` infinite, ``s`` zero or
-    infinite) ``q`` itself is already what the division gives, and is kept."""
+    ``q = x*r``, then one Markstein correction ``q + (x - q*s)*r`` with two FMAs, the
+    correctly rounded quotient for a correctly rounded ``r`` and a faithful ``q``. Kept
+    as ``q``: a zero ``q`` (the correction would lose the sign of ``-0``) and a NaN
+    correction (``x`` or ``x/s`` infinite: ``q`` is already the quotient). A tile with a
+    scale whose reciprocal is not finite (zero, NaN, below 2**-128) divides per element.
+    ``tests/writers/test_writers_gpu.py`` checks every 16-bit input against 60 scales."""
     sb = s[None, :, None]
     if FAST_DIV:
-        r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[None, :, None]
-        q = x * r
-        q2 = tl.fma(tl.fma(-q, sb, x), r, q)
-        y = tl.where(q2 != q2, q, q2)
+        r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        finite = tl.reduce((tl.abs(r) < float("inf")).to(tl.int32), 0, _min) > 0
+        if finite:
+            rb = r[None, :, None]
+            q = x * rb
+            q2 = tl.fma(tl.fma(-q, sb, x), rb, q)
+            y = tl.where((q2 != q2) | (q == 0.0), q, q2)
+        else:
+            y = tl.div_rn(x, sb)
     else:
         y = tl.div_rn(x, sb)
     return y

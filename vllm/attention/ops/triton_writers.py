@@ -184,7 +184,7 @@ def scatter_kv_launch(
     block_dk, block_dv = _pow2(dk), _pow2(dv)
     block_h = min(_pow2(h), max(1, _MAX_TILE // max(block_dk, block_dv)))
     if scatter_kernel_for(k_target, v_target) == "tiled":
-        block_t = tokens_per_program(n, block_h * max(block_dk, block_dv))
+        block_t = tokens_per_program(n, block_h * max(block_dk, block_dv), mode != 0)
         return Launch(
             "scatter_kv_tiled_kernel", (-(-n // block_t), -(-h // block_h)),
             (slot_mapping, slot_mapping.stride(0), n,
@@ -239,12 +239,15 @@ def scatter_kernel_for(k_target: ScatterTarget, v_target: ScatterTarget) -> Scat
     return "tiled"
 
 
-def tokens_per_program(num_tokens: int, tile: int) -> int:
+def tokens_per_program(num_tokens: int, tile: int, scaled: bool = False) -> int:
     """``BLOCK_T`` of the tiled kernel: 1 below :data:`TILED_MIN_TOKENS` (small batches
-    want every program they can get), else up to 8 tokens, about 4096 elements per operand."""
+    want every program they can get), else enough tokens for about 16 elements per thread
+    of a 4-warp program per operand (32 for fp8 writes, which convert before storing),
+    at most 16 (sweep on the H200: ``benchmarks/results/h200/tune_writers.json``)."""
     if num_tokens < TILED_MIN_TOKENS:
         return 1
-    return max(1, min(8, _MAX_TILE // max(1, tile)))
+    per_program = (32 if scaled else 16) * 128
+    return max(1, min(16, per_program // max(1, tile)))
 
 
 @functools.cache
@@ -265,12 +268,11 @@ def hardware_fp8(device: torch.device) -> bool:
 def fast_division(device: torch.device) -> bool:
     """Whether the tiled kernel divides by the scale with one reciprocal per head and a
     Markstein FMA correction (``FAST_DIV``) instead of an IEEE division per element:
-    compiled CUDA kernels only (the interpreter has no true FMA), on with
-    ``VLLM_KV_FAST_DIV=1`` until its exhaustive byte check has run on a GPU
-    (``docs/performance.md``)."""
+    compiled CUDA kernels only (the interpreter has no true FMA); ``VLLM_KV_FAST_DIV=0``
+    turns it off. Byte-identical either way (``docs/performance.md``)."""
     if device.type != "cuda":
         return False
-    return os.environ.get("VLLM_KV_FAST_DIV", "0") == "1"
+    return os.environ.get("VLLM_KV_FAST_DIV", "1") != "0"
 
 
 def scatter_kv(
@@ -630,17 +632,18 @@ class CachedLaunch:
     """The runner of one validated write signature on the Triton path.
 
     ``build(live)`` makes the :class:`Launch` from live tensors (no checks: the
-    signature was validated once). On CUDA the first call runs it through Triton and
-    binds a :class:`BoundLaunch`; later calls use that. Elsewhere (the interpreter)
+    signature was validated once). On CUDA the first two calls run it through Triton,
+    the second binds a :class:`BoundLaunch`; later calls use that. Elsewhere (the interpreter)
     every call builds and runs.
     """
 
-    __slots__ = ("_build", "_bound", "_tried", "binding")
+    __slots__ = ("_build", "_bound", "_tried", "_seen", "binding")
 
     def __init__(self, build: Callable[[Sequence[torch.Tensor]], Launch]) -> None:
         self._build = build
         self._bound: Callable[[Sequence[torch.Tensor]], bool] | None = None
         self._tried = False
+        self._seen = False
         self.binding: BoundLaunch | None = None
         """The direct launch once bound (None before, and where it cannot be)."""
 
@@ -662,6 +665,9 @@ class CachedLaunch:
         launch = self._build(live)
         compiled = launch.launch()
         if self._tried or compiled is None:
+            return
+        if not self._seen:  # bind from the second call on: a one-off signature (a
+            self._seen = True  # writer whose cache is cleared every call) never pays it
             return
         self._tried = True
         cache = live[LIVE_ROLES["cache"]]
