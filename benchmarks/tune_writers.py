@@ -6,7 +6,9 @@ for every ``BLOCK_T`` x ``num_warps`` (x ``FAST_DIV`` for fp8) and reports GB/s 
 ratio to an eager ``copy_`` of a 2 GiB bf16 tensor measured in the same run. Every
 variant's cache bytes are compared with the default launch's (a variant that differs
 is reported and never chosen). The defaults in ``vllm/attention/ops/triton_writers.py``
-come from this table (``docs/performance.md``).
+come from this table (``docs/performance.md``). Then the fused RoPE + write (keys
+only, T=8192) against the plain write, in CUDA graphs: the one-token kernel at 1..8
+warps and the opt-in tiled kernel (``VLLM_KV_ROPE_TILED=1``) at 1..8 tokens a program.
 
     python benchmarks/tune_writers.py --out benchmarks/results/h200
 
@@ -47,14 +49,23 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rope_sweep(dev: torch.device, iters: int) -> list[dict[str, object]]:
-    """``num_warps`` of the fused RoPE + write kernel without a query (``fused k-only`` of
-    bench_fused_rope.py) at T=8192, next to the plain write's launch, bf16 and fp8."""
+    """The fused RoPE + write without a query (``fused k-only`` of bench_fused_rope.py)
+    at T=8192 against the plain write's launch, device time per call in CUDA graphs (20
+    calls a graph): ``rope_kv_kernel`` at 1..8 warps and the opt-in
+    ``rope_kv_tiled_kernel`` at 1..8 tokens a program, bf16 and fp8, each variant's
+    bytes checked against the one-token kernel's."""
+    import os
+
     import bench_fused_rope as bf
+    from _timing import capture, replay_us
 
     from vllm.attention.layouts import split_kv_views
     from vllm.attention.ops.triton_writers import ScatterTarget, rope_kv_launch, scatter_kv_launch
     from vllm.attention.rope import RoPE
     from vllm.attention.writers.split import scatter_mode
+
+    def graph_us(launch: Launch) -> float:
+        return replay_us(capture(launch.run, reps=20), replays=20) / 20
 
     rows: list[dict[str, object]] = []
     rope = RoPE.build(bf.D, bf.MAX_POS, device=dev)
@@ -64,23 +75,38 @@ def _rope_sweep(dev: torch.device, iters: int) -> list[dict[str, object]]:
         kt, vt = ScatterTarget.token_major(kv), ScatterTarget.token_major(vv)
         mode = scatter_mode(cache_dtype)
         q = x["quant"]
-        plain = scatter_kv_launch(x["k"], x["v"], kt, vt, x["slots"], mode, q.k_scale, q.v_scale)
-        plain_us = bw._event_time_us(plain.run, iters, 5, dev)
-        fused = rope_kv_launch(None, x["k"], x["v"], kt, vt, x["slots"], x["positions"],
-                               rope.cos_sin_cache, True, mode, q.k_scale, q.v_scale)
+
+        def fused() -> Launch:
+            return rope_kv_launch(None, x["k"], x["v"], kt, vt, x["slots"], x["positions"],
+                                  rope.cos_sin_cache, True, mode, q.k_scale, q.v_scale)
+
+        plain_us = graph_us(scatter_kv_launch(x["k"], x["v"], kt, vt, x["slots"], mode,
+                                              q.k_scale, q.v_scale))
+        base = fused()
         x["cache"].zero_()
-        fused.run()
+        base.run()
         want = _raw(x["cache"]).clone()
-        for nw in (1, 2, 4, 8):
-            v = dataclasses.replace(fused, options={**fused.options, "num_warps": nw})
+        variants = [(f"one-token warps={nw}",
+                     dataclasses.replace(base, options={**base.options, "num_warps": nw}))
+                    for nw in (1, 2, 4, 8)]
+        os.environ["VLLM_KV_ROPE_TILED"] = "1"
+        try:
+            tiled = fused()
+        finally:
+            os.environ.pop("VLLM_KV_ROPE_TILED", None)
+        for bt in (1, 2, 4, 8):
+            for nw in (4, 8):
+                v = variant(tiled, 8192, bt, nw, None)
+                variants.append((f"tiled BLOCK_T={bt} warps={nw}", v))
+        for name, v in variants:
             x["cache"].zero_()
             v.run()
             same = bool(torch.equal(_raw(x["cache"]), want))
-            us = bw._event_time_us(v.run, iters, 5, dev)
-            rows.append({"config": f"rope_k_only/{cache_dtype}", "tokens": 8192,
-                         "num_warps": nw, "us": us, "plain_write_us": plain_us,
-                         "vs_plain_write": us / plain_us, "bytes_equal": same})
-            print(f"rope k-only {cache_dtype:9} T=8192 warps={nw}: {us:7.2f} us, plain write "
+            us = graph_us(v)
+            rows.append({"config": f"rope_k_only/{cache_dtype}", "tokens": 8192, "variant": name,
+                         "us": us, "plain_write_us": plain_us, "vs_plain_write": us / plain_us,
+                         "bytes_equal": same})
+            print(f"rope k-only {cache_dtype:9} T=8192 {name:28} {us:7.2f} us, plain write "
                   f"{plain_us:7.2f} us, ratio {us / plain_us:5.3f}"
                   + ("" if same else "  BYTES DIFFER"))
     return rows
@@ -146,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  default {default} warps=4; best {best}")
             del setup
             torch.cuda.empty_cache()
-    rows += _rope_sweep(dev, args.iters)
+    rope_rows = _rope_sweep(dev, args.iters)
+    bad += sum(not r["bytes_equal"] for r in rope_rows)
+    rows += rope_rows
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tune_writers.json").write_text(json.dumps(
         {"copy_gbps": copy_gbps, "device": torch.cuda.get_device_name(dev), "rows": rows},

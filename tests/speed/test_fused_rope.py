@@ -37,6 +37,22 @@ PATHS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not triton_importable(), reason="triton is not importable: the kernel cannot run here"))]
 
 
+@pytest.fixture(params=["one_token", "tiled_2", "tiled_auto"])
+def rope_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which Triton RoPE kernel the ``triton`` path launches: ``rope_kv_kernel`` (one
+    token per program, the default), or ``rope_kv_tiled_kernel`` (opt-in) with 2 tokens
+    per program (several programs, a partial last tile) or its own choice (one program
+    holding every row)."""
+    from vllm.attention.ops import triton_writers as tw
+
+    if request.param != "one_token":
+        monkeypatch.setenv("VLLM_KV_ROPE_TILED", "1")
+        monkeypatch.setattr(tw, "TILED_MIN_TOKENS", 1)
+    if request.param == "tiled_2":
+        monkeypatch.setattr(tw, "tokens_per_program", lambda *args, **kwargs: 2)
+    return str(request.param)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
@@ -103,7 +119,8 @@ def _inputs(case: RopeCase, seed: int) -> dict[str, object]:
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_fused_write_equals_rotate_then_write(case: RopeCase, path: str) -> None:
+def test_fused_write_equals_rotate_then_write(case: RopeCase, path: str,
+                                              rope_kernel: str) -> None:
     seed = zlib.crc32(case.id.encode())
     x = _inputs(case, seed)
     key, value, query = x["key"], x["value"], x["query"]
@@ -130,7 +147,8 @@ def test_fused_write_equals_rotate_then_write(case: RopeCase, path: str) -> None
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
-def test_mla_fused_write_equals_rotate_then_write(cache_dtype: str, path: str) -> None:
+def test_mla_fused_write_equals_rotate_then_write(cache_dtype: str, path: str,
+                                                  rope_kernel: str) -> None:
     g = torch.Generator().manual_seed(3)
     lora, r, p, heads, t = 32, 8, 4, 3, 4
     kv_c = torch.randn(t, lora, generator=g).to(torch.bfloat16)
@@ -157,7 +175,7 @@ def test_mla_fused_write_equals_rotate_then_write(cache_dtype: str, path: str) -
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("style", ["neox", "gptj"])
-def test_apply_rope_rotates_in_place(style: str, path: str) -> None:
+def test_apply_rope_rotates_in_place(style: str, path: str, rope_kernel: str) -> None:
     g = torch.Generator().manual_seed(4)
     q = torch.randn(6, 4, 16, generator=g).to(torch.bfloat16)
     k = torch.randn(6, 2, 16, generator=g).to(torch.bfloat16)

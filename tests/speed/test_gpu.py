@@ -70,16 +70,33 @@ def _require_bound(runner: tw.CachedLaunch) -> None:
     assert runner.binding is not None and "current_hooks()" in runner.binding.source
 
 
+@pytest.mark.parametrize("kernel", ["one_token", "tiled"])
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("style", ["neox", "gptj"])
-def test_fused_rope_cuda_equals_rotate_then_write(style: str, cache_dtype: str) -> None:
+def test_fused_rope_cuda_equals_rotate_then_write(style: str, cache_dtype: str, kernel: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default one-token kernel at 33 tokens; the opt-in tiled kernel
+    (``VLLM_KV_ROPE_TILED=1``) at 3000 tokens (several tokens a program, a partial
+    last tile), with and without a query."""
+    t = 33
+    if kernel == "tiled":
+        monkeypatch.setenv("VLLM_KV_ROPE_TILED", "1")
+        t = 3000
     w = SplitKVCacheWriter(L.SPLIT_NHD)
     rope = RoPE.build(128, 4096, style=style, device=DEV)  # type: ignore[arg-type]
-    for seed in range(3):  # the second and third calls run through the bound launch
-        key, value, cache, slots, quant = _split_inputs(33, 40, cache_dtype, seed)
+    for seed in range(4):  # the second call on runs through the bound launch
+        key, value, cache, slots, quant = _split_inputs(t, t + 7, cache_dtype, seed,
+                                                        nb=max(64, t // 8))
         g = torch.Generator().manual_seed(seed)
-        q = torch.randn(40, 32, 128, generator=g).to(torch.bfloat16).to(DEV)
-        positions = torch.randint(0, 4096, (40,), generator=g).to(DEV)
+        q = torch.randn(t + 7, 32, 128, generator=g).to(torch.bfloat16).to(DEV)
+        positions = torch.randint(0, 4096, (t + 7,), generator=g).to(DEV)
+        if seed >= 2:  # keys only: the query rotated elsewhere
+            want = cache.clone()
+            reference_write(L.SPLIT_NHD, rotate_reference(key, positions, rope), value, want,
+                            slots, quant)
+            w.write_with_rope(None, key, value, cache, slots, quant, positions, rope)
+            assert torch.equal(raw(cache), raw(want))
+            continue
         want = cache.clone()
         reference_write(L.SPLIT_NHD, rotate_reference(key, positions, rope), value, want, slots,
                         quant)

@@ -30,11 +30,11 @@ Parameters are annotated ``tl.tensor`` for mypy: the compiler resolves annotatio
 as globals (only ``tl`` names are allowed) and ignores this one."""
 
 
-def jit_token_count(name: str) -> Callable[[Callable[..., Any]], Any]:
-    """``triton.jit`` that does not specialise on the token-count argument ``name``: one
-    compiled kernel serves every batch size (Triton would otherwise compile apart for
-    1, multiples of 16 and the rest)."""
-    decorator: Callable[[Callable[..., Any]], Any] = triton.jit(do_not_specialize=[name])
+def jit_token_count(*names: str) -> Callable[[Callable[..., Any]], Any]:
+    """``triton.jit`` that does not specialise on the token-count arguments ``names``:
+    one compiled kernel serves every batch size (Triton would otherwise compile apart
+    for 1, multiples of 16 and the rest)."""
+    decorator: Callable[[Callable[..., Any]], Any] = triton.jit(do_not_specialize=list(names))
     return decorator
 
 
@@ -438,6 +438,121 @@ def rope_kv_kernel(
             b1, b2 = _rope_pairs(base, k_sd, m, i1, i2, c, s, IN_KIND)
             tl.store(base[:, None] + i1[None, :] * k_sd, b1, mask=m)
             tl.store(base[:, None] + i2[None, :] * k_sd, b2, mask=m)
+
+
+@jit
+def _rope_pairs_tiled(
+    base: tl.tensor, sd: tl.tensor, mask: tl.tensor, i1: tl.tensor, i2: tl.tensor,
+    c: tl.tensor, s: tl.tensor, IN_KIND: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """:func:`_rope_pairs` for rows ``base`` ``[BLOCK_T, BLOCK_H]`` and per-token ``c``,
+    ``s`` ``[BLOCK_T, BLOCK_R]``."""
+    x1 = _widen(tl.load(base[:, :, None] + i1[None, None, :] * sd, mask=mask, other=0), IN_KIND)
+    x2 = _widen(tl.load(base[:, :, None] + i2[None, None, :] * sd, mask=mask, other=0), IN_KIND)
+    cc = c[:, None, :]
+    ss = s[:, None, :]
+    o1 = x1 * cc - x2 * ss
+    o2 = x2 * cc + x1 * ss
+    return _to_input_bits(o1, IN_KIND), _to_input_bits(o2, IN_KIND)
+
+
+@jit_token_count("num_write", "num_rows")
+def rope_kv_tiled_kernel(
+    pos_ptr: tl.tensor, pos_st: tl.tensor,
+    cs_ptr: tl.tensor, cs_sp: tl.tensor, cs_sd: tl.tensor, half: tl.tensor,
+    q_ptr: tl.tensor, q_st: tl.tensor, q_sh: tl.tensor, q_sd: tl.tensor,
+    num_q_heads: tl.tensor, q_groups: tl.tensor,
+    k_ptr: tl.tensor, k_st: tl.tensor, k_sh: tl.tensor, k_sd: tl.tensor,
+    num_kv_heads: tl.tensor, head_size_k: tl.tensor,
+    slot_ptr: tl.tensor, slot_st: tl.tensor, num_write: tl.tensor,
+    v_ptr: tl.tensor, v_st: tl.tensor, v_sh: tl.tensor, v_sd: tl.tensor, head_size_v: tl.tensor,
+    kc_ptr: tl.tensor, kc_sb: tl.tensor, kc_so_hi: tl.tensor, kc_so_lo: tl.tensor, kc_sh: tl.tensor,
+    kc_sd_hi: tl.tensor, kc_sd_lo: tl.tensor,
+    vc_ptr: tl.tensor, vc_sb: tl.tensor, vc_so_hi: tl.tensor, vc_so_lo: tl.tensor, vc_sh: tl.tensor,
+    vc_sd_hi: tl.tensor, vc_sd_lo: tl.tensor,
+    ks_ptr: tl.tensor, ks_sh: tl.tensor, vs_ptr: tl.tensor, vs_sh: tl.tensor,
+    block_size: tl.tensor, num_slots: tl.tensor, num_rows: tl.tensor,
+    IN_KIND: tl.constexpr, CS_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr,
+    NEOX: tl.constexpr, WRITE: tl.constexpr, PASS_K: tl.constexpr,
+    K_XO: tl.constexpr, K_XD: tl.constexpr, V_XO: tl.constexpr, V_XD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_PK: tl.constexpr, BLOCK_DV: tl.constexpr,
+) -> None:
+    """:func:`rope_kv_kernel` with ``BLOCK_T`` tokens per program (rows from
+    ``num_rows`` on are masked): the same rotation, element for element, and the same
+    stores. Opt-in (``VLLM_KV_ROPE_TILED=1``) until measured and checked on a GPU."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    g = tl.program_id(1)
+    tm = t < num_rows
+    pos = tl.load(pos_ptr + t * pos_st, mask=tm, other=0)
+    j = tl.arange(0, BLOCK_R)
+    jm = j < half
+    cm = tm[:, None] & jm[None, :]
+    c = _load_f32(cs_ptr + pos[:, None] * cs_sp + j[None, :] * cs_sd, cm, CS_KIND)
+    s = _load_f32(cs_ptr + pos[:, None] * cs_sp + (j + half)[None, :] * cs_sd, cm, CS_KIND)
+    if NEOX:
+        i1 = j
+        i2 = j + half
+    else:
+        i1 = 2 * j
+        i2 = 2 * j + 1
+    if g < q_groups:
+        hq = (g * BLOCK_HQ + tl.arange(0, BLOCK_HQ)).to(tl.int64)
+        mq = tm[:, None, None] & (hq < num_q_heads)[None, :, None] & jm[None, None, :]
+        qrow = q_ptr + t[:, None] * q_st + hq[None, :] * q_sh
+        q1, q2 = _rope_pairs_tiled(qrow, q_sd, mq, i1, i2, c, s, IN_KIND)
+        tl.store(qrow[:, :, None] + i1[None, None, :] * q_sd, q1, mask=mq)
+        tl.store(qrow[:, :, None] + i2[None, None, :] * q_sd, q2, mask=mq)
+    else:
+        h = ((g - q_groups) * BLOCK_HK + tl.arange(0, BLOCK_HK)).to(tl.int64)
+        hm = h < num_kv_heads
+        if WRITE:
+            live = tm & (t < num_write)
+            slot = tl.load(slot_ptr + t * slot_st, mask=live, other=-1)
+            okh = (live & (slot >= 0) & (slot < num_slots))[:, None] & hm[None, :]
+            m = okh[:, :, None] & jm[None, None, :]
+            base = k_ptr + t[:, None] * k_st + h[None, :] * k_sh
+            b1, b2 = _rope_pairs_tiled(base, k_sd, m, i1, i2, c, s, IN_KIND)
+            # every load before the first store (see scatter_kv_tiled_kernel)
+            if PASS_K:
+                d = 2 * half + tl.arange(0, BLOCK_PK)
+                pm = okh[:, :, None] & (d < head_size_k)[None, None, :]
+                pbits = tl.load(base[:, :, None] + d[None, None, :] * k_sd, mask=pm, other=0)
+            dv = tl.arange(0, BLOCK_DV)
+            vm = okh[:, :, None] & (dv < head_size_v)[None, None, :]
+            vbits = tl.load(v_ptr + t[:, None, None] * v_st + h[None, :, None] * v_sh
+                            + dv[None, None, :] * v_sd, mask=vm, other=0)
+            if MODE == 0:
+                sk = 1.0
+                sv = 1.0
+            else:
+                sk = tl.load(ks_ptr + h * ks_sh, mask=hm, other=1.0)[None, :, None]
+                sv = tl.load(vs_ptr + h * vs_sh, mask=hm, other=1.0)[None, :, None]
+            blk = slot // block_size
+            off = slot % block_size
+            kdst = (kc_ptr + (blk * kc_sb + (off // K_XO) * kc_so_hi
+                              + (off % K_XO) * kc_so_lo)[:, None] + h[None, :] * kc_sh)
+            _store_as(kdst[:, :, None]
+                      + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, None, :],
+                      b1, sk, m, IN_KIND, MODE, HW_CVT)
+            _store_as(kdst[:, :, None]
+                      + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, None, :],
+                      b2, sk, m, IN_KIND, MODE, HW_CVT)
+            if PASS_K:
+                _store_as(kdst[:, :, None]
+                          + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, None, :],
+                          pbits, sk, pm, IN_KIND, MODE, HW_CVT)
+            vdst = (vc_ptr + (blk * vc_sb + (off // V_XO) * vc_so_hi
+                              + (off % V_XO) * vc_so_lo)[:, None] + h[None, :] * vc_sh)
+            _store_as(vdst[:, :, None]
+                      + ((dv // V_XD) * vc_sd_hi + (dv % V_XD) * vc_sd_lo)[None, None, :],
+                      vbits, sv, vm, IN_KIND, MODE, HW_CVT)
+        else:
+            m = tm[:, None, None] & hm[None, :, None] & jm[None, None, :]
+            base = k_ptr + t[:, None] * k_st + h[None, :] * k_sh
+            b1, b2 = _rope_pairs_tiled(base, k_sd, m, i1, i2, c, s, IN_KIND)
+            tl.store(base[:, :, None] + i1[None, None, :] * k_sd, b1, mask=m)
+            tl.store(base[:, :, None] + i2[None, None, :] * k_sd, b2, mask=m)
 
 
 # -- the token-major scatter, tiled ---------------------------------------------------------

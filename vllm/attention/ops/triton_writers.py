@@ -421,20 +421,35 @@ def _rope_launch(
                   "V_XO": v_target.off_split, "V_XD": v_target.dim_split}
     block_hk = min(_pow2(hk), max(1, _MAX_TILE // width))
     kv_groups = -(-hk // block_hk)
-    return Launch(
-        "rope_kv_kernel", (rows, q_groups + kv_groups),
-        (positions, positions.stride(0),
-         _bits(cos_sin_cache), cos_sin_cache.stride(0), cos_sin_cache.stride(1), half,
-         *q_args,
-         *_rows(key), hk, dk,
-         *w_args),
-        {"IN_KIND": _IN_KIND[key.dtype], "CS_KIND": _IN_KIND[cos_sin_cache.dtype],
-         "MODE": mode, "HW_CVT": mode != 0 and hardware_fp8(key.device), "NEOX": neox, "WRITE": write is not None, "PASS_K": pass_k, **xsplit,
-         "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_R": block_r,
-         "BLOCK_PK": block_pk, "BLOCK_DV": block_dv},
-        options=dict(ROPE_OPTIONS),
-        roles=("positions", "cos_sin", *q_role, "key", *w_roles),
-    )
+    args: tuple[torch.Tensor | int, ...] = (
+        positions, positions.stride(0),
+        _bits(cos_sin_cache), cos_sin_cache.stride(0), cos_sin_cache.stride(1), half,
+        *q_args,
+        *_rows(key), hk, dk,
+        *w_args)
+    consts: dict[str, int | bool] = {
+        "IN_KIND": _IN_KIND[key.dtype], "CS_KIND": _IN_KIND[cos_sin_cache.dtype],
+        "MODE": mode, "HW_CVT": mode != 0 and hardware_fp8(key.device), "NEOX": neox,
+        "WRITE": write is not None, "PASS_K": pass_k, **xsplit,
+        "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_R": block_r,
+        "BLOCK_PK": block_pk, "BLOCK_DV": block_dv}
+    roles = ("positions", "cos_sin", *q_role, "key", *w_roles)
+    if rope_kernel_tiled():
+        tile = max(block_hk * width, block_hq * 2 * block_r if query is not None else 0)
+        block_t = tokens_per_program(rows, tile, mode != 0)
+        return Launch("rope_kv_tiled_kernel", (-(-rows // block_t), q_groups + kv_groups),
+                      (*args, rows), {**consts, "BLOCK_T": block_t},
+                      options=dict(ROPE_OPTIONS), roles=roles)
+    return Launch("rope_kv_kernel", (rows, q_groups + kv_groups), args, consts,
+                  options=dict(ROPE_OPTIONS), roles=roles)
+
+
+def rope_kernel_tiled() -> bool:
+    """Whether fused RoPE launches use ``rope_kv_tiled_kernel`` (several tokens per
+    program from :data:`TILED_MIN_TOKENS` on): ``VLLM_KV_ROPE_TILED=1``. Off by default
+    until its speed and its hardware-fp8 bytes have been checked on a GPU; the
+    interpreter tests check it byte for byte."""
+    return os.environ.get("VLLM_KV_ROPE_TILED", "0") == "1"
 
 
 def rope_launch(
