@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm.runner import LLMEngine
+
 MAX_NEW = 10
 PROMPTS: list[list[int]] = [[5, 17, 33, 9], list(range(3, 40)), [100], [7, 7, 8, 120, 64, 3, 2]]
 """Different lengths: the 37-token one spans three 16-slot blocks."""
@@ -95,3 +97,18 @@ def single_thread() -> Iterator[None]:
 def hf_llama(single_thread: None, tmp_path_factory: pytest.TempPathFactory) -> HFCheckpoint:
     """A 2-layer GQA Llama (4 heads, 2 KV heads, head_dim 64) and its HF greedy outputs."""
     return build_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def spy_step_tokens(engine: LLMEngine) -> list[int]:
+    """The number of tokens of every step ``engine`` schedules from now on (a list that
+    fills as it runs; this engine only)."""
+    steps: list[int] = []
+    real = engine.scheduler.schedule
+
+    def spy():  # type: ignore[no-untyped-def]
+        out = real()
+        steps.append(out.num_tokens)
+        return out
+
+    engine.scheduler.schedule = spy  # type: ignore[method-assign]
+    return steps

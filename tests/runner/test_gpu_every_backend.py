@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from shim import LegacyBackendWarning
-from tests.runner.conftest import MAX_NEW, PROMPTS, HFCheckpoint
+from tests.runner.conftest import MAX_NEW, PROMPTS, HFCheckpoint, spy_step_tokens
 from tests.runner.test_mla import N_NEW, dense_greedy
 from tests.runner.test_mla import PROMPTS as MLA_PROMPTS
 from vllm.attention.errors import PluginLoadError
@@ -193,20 +193,6 @@ def _serve(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
     return [o.token_ids for o in outs]
 
 
-def _spy_step_tokens(engine: LLMEngine) -> list[int]:
-    """Tokens of every scheduled step of ``engine`` (this engine only)."""
-    steps: list[int] = []
-    real = engine.scheduler.schedule
-
-    def spy():  # type: ignore[no-untyped-def]
-        out = real()
-        steps.append(out.num_tokens)
-        return out
-
-    engine.scheduler.schedule = spy  # type: ignore[method-assign]
-    return steps
-
-
 def _compare_hf(got: list[list[int]], hf: HFCheckpoint, dtype: str, what: str) -> int:
     """Equal in float32; in 16 bits equal up to the reference's first near-tie.
     Returns how many tokens were compared."""
@@ -238,7 +224,7 @@ def check_standard(name: str, hf: HFCheckpoint, device: torch.device, variant: s
             pytest.skip(why)
         engine = LLMEngine.create(hf.path, backend=name, dtype=row.dtype, device=device,
                                   engine_config=_variant(variant))
-        steps = _spy_step_tokens(engine)
+        steps = spy_step_tokens(engine)
         got = _serve(engine, PROMPTS, GREEDY, row)
         what = (f"{name} [{variant}] on {device.type} ({row.dtype}, path ran: {row.paths}, "
                 f"declared: {row.declared_path}; {engine.describe()})")

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runner.conftest import MAX_NEW, PROMPTS, HFCheckpoint, build_checkpoint
+from tests.runner.conftest import (
+    MAX_NEW,
+    PROMPTS,
+    HFCheckpoint,
+    build_checkpoint,
+    spy_step_tokens,
+)
 from vllm.attention.errors import PluginLoadError
 from vllm.attention.registry import get_backend, list_backends
 from vllm.runner import EngineConfig, LLMEngine, SamplingParams
@@ -67,15 +73,7 @@ def test_chunked_prefill_equals_hf(hf_llama: HFCheckpoint) -> None:
     with the other requests' decode steps."""
     cfg = EngineConfig(max_model_len=128, max_num_batched_tokens=5)
     engine = LLMEngine.create(hf_llama.path, backend="TORCH_REF", engine_config=cfg)
-    steps: list[int] = []
-    real_step = engine.scheduler.schedule
-
-    def spy():  # type: ignore[no-untyped-def]
-        out = real_step()
-        steps.append(out.num_tokens)
-        return out
-
-    engine.scheduler.schedule = spy  # type: ignore[method-assign]
+    steps = spy_step_tokens(engine)
     got = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
     assert got == hf_llama.expected(PROMPTS)
     assert max(steps) <= 5
