@@ -269,9 +269,9 @@ def fast_division(device: torch.device) -> bool:
     """Whether the tiled kernel divides by the scale with one reciprocal per head and a
     Markstein FMA correction (``FAST_DIV``) instead of an IEEE division per element:
     compiled CUDA kernels only (the interpreter has no true FMA), on with
-    ``VLLM_KV_FAST_DIV=1``. Byte-identical either way (every 16-bit input against 67
-    scales on an H200); off by default because, as it stands, it needs 93 registers a
-    thread where the division needs 78 and measured no faster (``docs/performance.md``)."""
+    ``VLLM_KV_FAST_DIV=1``. Its arithmetic stores the division's fp8 bytes (checked on
+    CPU with an exact FMA); off by default until its bytes and speed are checked on a
+    GPU (``docs/performance.md``)."""
     if device.type != "cuda":
         return False
     return os.environ.get("VLLM_KV_FAST_DIV", "0") == "1"
