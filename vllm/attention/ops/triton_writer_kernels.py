@@ -560,24 +560,31 @@ def rope_kv_tiled_kernel(
 
 
 @jit
-def _fp8_store_bits(y: tl.tensor, MODE: tl.constexpr, HW_CVT: tl.constexpr) -> tl.tensor:
-    """float32 ``y`` (already divided by its scale) to the fp8 byte the reference stores."""
+def _fp8_store_bits(y: tl.tensor, MODE: tl.constexpr, HW_CVT: tl.constexpr,
+                    CLAMP: tl.constexpr = True) -> tl.tensor:
+    """float32 ``y`` (already divided by its scale) to the fp8 byte the reference stores.
+
+    The reference clamps to the format's largest finite value, then rounds. The hardware
+    conversion (``cvt.rn.satfinite``) saturates by itself: every value beyond the largest
+    finite one, infinities included, becomes it (NaN is handled apart), so with
+    ``CLAMP=False`` the clamp is left out on that path (two min/max and a NaN select an
+    element fewer; with FAST_DIV, until checked on a GPU)."""
     if MODE == 1:
-        c = _clamp_keep_nan(y, -448.0, 448.0)
         if HW_CVT:
+            c = _clamp_keep_nan(y, -448.0, 448.0) if CLAMP else y
             q = tl.where(y != y, 0x7F,
                          c.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8,
                                                                              bitcast=True))
         else:
-            q = _fp8_bits(c, 3, 7)
+            q = _fp8_bits(_clamp_keep_nan(y, -448.0, 448.0), 3, 7)
     else:
-        c = _clamp_keep_nan(y, -57344.0, 57344.0)
         if HW_CVT:
+            c = _clamp_keep_nan(y, -57344.0, 57344.0) if CLAMP else y
             q = tl.where(y != y, 0x7F,
                          c.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8,
                                                                            bitcast=True))
         else:
-            q = _fp8_bits(c, 2, 15)
+            q = _fp8_bits(_clamp_keep_nan(y, -57344.0, 57344.0), 2, 15)
     return q.to(tl.uint8)
 
 
@@ -653,7 +660,7 @@ def _tile_store(
         tl.store(dst, bits, mask=store_mask)
     else:
         y = _div_by_scale(_widen(bits, IN_KIND), s, FAST_DIV)
-        tl.store(dst, _fp8_store_bits(y, MODE, HW_CVT), mask=store_mask)
+        tl.store(dst, _fp8_store_bits(y, MODE, HW_CVT, not FAST_DIV), mask=store_mask)
 
 
 @jit_token_count("num_tokens")
