@@ -1,4 +1,5 @@
-"""Tensor parallel on torch.distributed (gloo, CPU): TP=2 gives TP=1's tokens.
+"""Tensor parallel on torch.distributed: TP=2 gives TP=1's tokens (gloo on CPU; NCCL
+on two GPUs, marked ``gpu`` and skipped with the reason on fewer).
 
 Two processes are spawned with the environment ``torchrun`` would give them and
 run the real CLI entry point, so the torchrun path (process group from the
@@ -31,8 +32,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _args(model: str, backend: str, prompts: list[list[int]]) -> list[str]:
-    args = ["generate", "--model", model, "--backend", backend, "--device", "cpu",
+def _args(model: str, backend: str, prompts: list[list[int]], device: str = "cpu",
+          dtype: str = "auto") -> list[str]:
+    args = ["generate", "--model", model, "--backend", backend, "--device", device,
+            "--dtype", dtype,
             "--max-tokens", str(MAX_NEW), "--max-model-len", "64", "--max-num-batched-tokens",
             "8", "--output", "json", "--no-progress"]
     for p in prompts:
@@ -84,3 +87,30 @@ def test_tp_shards_heads_and_rejects_indivisible() -> None:
     with pytest.raises(InvalidArgumentError, match="num_key_value_heads: got 3, expected a "
                                                    "multiple of the tensor-parallel size 2"):
         p.shard(3, "num_key_value_heads")
+
+
+@pytest.mark.gpu
+def test_tp2_nccl_equals_tp1(hf_llama: HFCheckpoint, tmp_path: Path) -> None:
+    """The same on two GPUs: each rank on ``cuda:LOCAL_RANK``, NCCL collectives, the
+    Triton kernels; float32, so the tokens must equal one GPU's and transformers'."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    runs = [_args(str(hf_llama.path), "TRITON_ATTN", PROMPTS, "cuda", "float32"),
+            _args("random-mla", "TRITON_MLA", MLA_PROMPTS, "cuda", "float32")]
+    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), runs), nprocs=2, join=True)
+    cfg = EngineConfig(max_model_len=64, max_num_batched_tokens=8)
+    single = [
+        LLMEngine.create(hf_llama.path, backend="TRITON_ATTN", dtype="float32", device="cuda",
+                         engine_config=cfg).generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW)),
+        LLMEngine.create("random-mla", backend="TRITON_MLA", dtype="float32", device="cuda",
+                         engine_config=cfg).generate(MLA_PROMPTS,
+                                                     SamplingParams(max_tokens=MAX_NEW)),
+    ]
+    for i, outs in enumerate(single):
+        rank0 = json.loads((tmp_path / f"run{i}-rank0.json").read_text())
+        rank1 = json.loads((tmp_path / f"run{i}-rank1.json").read_text())
+        assert rank0["code"] == 0 and rank1["code"] == 0, (rank0["stderr"], rank1["stderr"])
+        assert ", tp 2:" in rank0["stderr"]
+        got = [o["token_ids"] for o in json.loads(rank0["stdout"])["outputs"]]
+        assert got == [o.token_ids for o in outs], runs[i]
+    assert [o.token_ids for o in single[0]] == hf_llama.expected(PROMPTS)
