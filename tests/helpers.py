@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` inside, restored after. The test
+    packages of small-shape work run with one thread: on a shared 2-core machine the
+    thread pool costs more in contention than it gains."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:

@@ -11,19 +11,16 @@ import importlib.util
 from collections.abc import Iterator
 
 import pytest
-import torch
+
+from tests.helpers import torch_threads
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -22,9 +22,9 @@ import os
 from collections.abc import Iterator
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 
+from tests.helpers import torch_threads
 from tests.property.model import CASES_RUN
 
 _COMMON = dict(deadline=None, database=None, print_blob=True,
@@ -45,14 +45,8 @@ def profile_settings(weight: float) -> settings:
 
 @pytest.fixture(autouse=True, scope="package")
 def _single_threaded_torch() -> Iterator[None]:
-    # Thousands of tiny ops: intra-op threads only add wake-up latency, and on a
-    # small shared machine they contend with everything else.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import torch_threads
 from vllm.runner import LLMEngine
 
 MAX_NEW = 10
@@ -87,10 +88,8 @@ def _save_word_tokenizer(path: Path, vocab_size: int) -> None:
 
 @pytest.fixture(scope="package", autouse=True)
 def single_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="package")

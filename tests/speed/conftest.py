@@ -6,14 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
+
+from tests.helpers import torch_threads
 
 
 @pytest.fixture(autouse=True, scope="package")
 def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         yield
-    finally:
-        torch.set_num_threads(before)
