@@ -63,12 +63,20 @@ def host_us(fn: Callable[[], object], device: torch.device, *, calls: int = 1000
 
 
 def event_us(fn: Callable[[], object], *, iters: int = 100, warmup: int = 10,
-             rounds: int = 3) -> float:
-    """Device time per call of ``fn`` (CUDA events around ``iters`` calls), median."""
+             rounds: int = 3, device: torch.device | None = None) -> float:
+    """Device time per call of ``fn`` (CUDA events around ``iters`` calls), median of
+    ``rounds``; on a CPU ``device``, wall time (the benchmarks' smoke configuration)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
     out = []
+    if device is not None and device.type != "cuda":
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            out.append((time.perf_counter() - t0) / iters * 1e6)
+        return statistics.median(out)
+    torch.cuda.synchronize()
     for _ in range(rounds):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -104,15 +112,24 @@ def replay_us(graph: torch.cuda.CUDAGraph, *, replays: int = 200, rounds: int = 
     return event_us(graph.replay, iters=replays, warmup=5, rounds=rounds)
 
 
-def copy_ceiling_gbps(device: torch.device, gib: float = 2.0, iters: int = 10) -> float:
-    """GB/s (read + written) of an eager ``dst.copy_(src)`` of a ``gib`` GiB bf16 tensor."""
-    numel = int(gib * 2**30) // 2
+def copy_ceiling_gbps(device: torch.device, gib: float = 2.0, iters: int = 10, *,
+                      warmup: int = 2, rounds: int = 3) -> float:
+    """GB/s (read + written) of an eager ``dst.copy_(src)`` of a ``gib`` GiB bf16 tensor
+    (``copy_bytes(gib)`` bytes each way)."""
+    numel = copy_bytes(gib) // 2
     src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    us = event_us(lambda: dst.copy_(src), iters=iters, warmup=2)
+    us = event_us(lambda: dst.copy_(src), iters=iters, warmup=warmup,  # noqa: F821
+                  rounds=rounds, device=device)
     del src, dst
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return 2 * numel * 2 / (us * 1e-6) / 1e9
+
+
+def copy_bytes(gib: float) -> int:
+    """Bytes of the bf16 tensor :func:`copy_ceiling_gbps` copies for ``gib``."""
+    return int(gib * 2**30) // 2 * 2
 
 
 def fmt(x: object, spec: str = ".2f") -> str:

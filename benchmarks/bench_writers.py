@@ -23,7 +23,6 @@ import json
 import math
 import platform
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import capture, copy_bytes, copy_ceiling_gbps, event_us, replay_us  # noqa: E402
 
 from vllm.attention.layouts import (  # noqa: E402
     FP8_DS_MLA_ENTRY_BYTES,
@@ -119,45 +121,10 @@ def _kernel_us(launch: Launch, args: argparse.Namespace, device: torch.device) -
     launches where capture fails."""
     if device.type == "cuda":
         try:
-            from _timing import capture, replay_us
-
             return replay_us(capture(launch.run, reps=10), replays=max(5, args.iters // 5)) / 10
         except Exception as exc:  # capture is not possible here: time eagerly instead
             print(f"  (graph capture failed, eager timing: {type(exc).__name__}: {exc})")
-    return _event_time_us(launch.run, args.iters, args.warmup, device)
-
-
-def _event_time_us(fn: Callable[[], object], iters: int, warmup: int,
-                   device: torch.device) -> float:
-    for _ in range(warmup):
-        fn()
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) / iters * 1e6
-    torch.cuda.synchronize(device)
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
-
-
-def copy_baseline_gbps(gib: float, iters: int, device: torch.device) -> tuple[float, int]:
-    """GB/s (read + written) of an eager ``dst.copy_(src)`` of a ``gib`` GiB bf16 tensor."""
-    numel = int(gib * 2**30) // 2
-    src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    us = _event_time_us(lambda: dst.copy_(src), iters, 3, device)
-    nbytes = 2 * numel * 2
-    del src, dst
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return nbytes / (us * 1e-6) / 1e9, numel * 2
+    return event_us(launch.run, iters=args.iters, warmup=args.warmup, rounds=1, device=device)
 
 
 def _alloc_cache(cfg: Config, nb: int, bs: int, h: int, d: int, model: torch.dtype,
@@ -274,7 +241,8 @@ def _index_copy_rows(args: argparse.Namespace, device: torch.device, gen: torch.
                 v_flat.index_copy_(0, slots, value)
 
             row.bytes_moved = setup.bytes_moved
-            row.call_us = _event_time_us(put, args.iters, args.warmup, device)
+            row.call_us = event_us(put, iters=args.iters, warmup=args.warmup, rounds=1,
+                                   device=device)
             row.call_gbps = setup.bytes_moved / (row.call_us * 1e-6) / 1e9
             row.call_vs_copy = row.call_gbps / copy_gbps
         rows.append(row)
@@ -342,9 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.path = path
 
-    copy_gbps, copy_bytes = copy_baseline_gbps(args.copy_gib, max(5, args.iters // 5), device)
+    copy_gbps = copy_ceiling_gbps(device, args.copy_gib, max(5, args.iters // 5), warmup=3,
+                                  rounds=1)
+    copied = copy_bytes(args.copy_gib)
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
-          f"eager copy_ of {copy_bytes / 2**30:.2f} GiB bf16: {copy_gbps:.0f} GB/s "
+          f"eager copy_ of {copied / 2**30:.2f} GiB bf16: {copy_gbps:.0f} GB/s "
           f"(read + written); writer path: {path}")
 
     gen = torch.Generator().manual_seed(0)
@@ -360,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 setup = build(cfg, n, args, device, gen)
                 row.bytes_moved = setup.bytes_moved
-                row.call_us = _event_time_us(setup.write, args.iters, args.warmup, device)
+                row.call_us = event_us(setup.write, iters=args.iters, warmup=args.warmup,
+                                       rounds=1, device=device)
                 row.call_gbps = setup.bytes_moved / (row.call_us * 1e-6) / 1e9
                 row.call_vs_copy = row.call_gbps / copy_gbps
                 if path == "triton" and setup.launch is not None:
@@ -387,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": _triton_version(),
         "python": platform.python_version(),
         "copy_gbps": copy_gbps,
-        "copy_bytes": copy_bytes,
+        "copy_bytes": copied,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "bytes_moved": "K/V (or latent/rope) rows read + slot_mapping read + cache bytes written",
     }

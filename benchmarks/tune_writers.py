@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_writers as bw  # noqa: E402
+from _timing import copy_ceiling_gbps, event_us  # noqa: E402
 
 from vllm.attention.ops.triton_writers import Launch, triton_importable  # noqa: E402
 
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda")
     ns = argparse.Namespace(block_size=16, heads=8, head_size=128, dtype="bf16",
                             kv_lora_rank=512, rope_dim=64, slots="random", path="triton")
-    copy_gbps, _ = bw.copy_baseline_gbps(2.0, 10, dev)
+    copy_gbps = copy_ceiling_gbps(dev, 2.0, 10)
     print(f"eager copy_ ceiling: {copy_gbps:.0f} GB/s")
     gen = torch.Generator().manual_seed(0)
     rows: list[dict[str, object]] = []
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                             setup.cache.zero_()
                             v.run()
                             same = bool(torch.equal(_raw(setup.cache), _raw(want)))
-                            us = bw._event_time_us(v.run, args.iters, 5, dev)
+                            us = event_us(v.run, iters=args.iters, warmup=5, rounds=1)
                         except Exception as exc:  # a variant that does not compile
                             print(f"{name} T={n} BLOCK_T={bt} warps={nw} fast={fast}: {exc}")
                             continue
