@@ -169,6 +169,20 @@ def _why_not(backend: AnyBackend, config: ModelConfig, dtype: str,
             + (f" [paths: {'; '.join(notes)}]" if notes else ""))
 
 
+def _admit(row: Row, name: str, config: ModelConfig, device: torch.device) -> AnyBackend:
+    """Load ``name``, record its dtype and declared path in ``row``, and skip (with the
+    reason) where it does not load or the runner cannot serve ``config`` with it."""
+    backend = _load(name)
+    if isinstance(backend, str):
+        pytest.skip(backend)
+    row.dtype = _dtype_for(backend)
+    row.declared_path = str(backend.compute_path(device))
+    why = _why_not(backend, config, row.dtype, device)
+    if why is not None:
+        pytest.skip(why)
+    return backend
+
+
 def _path_recorder(engine: LLMEngine, seen: list[str]) -> Callable[[int, int, int], None]:
     """An ``on_step`` callback appending the compute path(s) each layer's impl says it
     ran (standard: ``last_compute_path``; MLA: ``last_path``); legacy impls say none."""
@@ -214,14 +228,7 @@ def check_standard(name: str, hf: HFCheckpoint, device: torch.device, variant: s
     """Serve the tiny Llama through ``name`` on ``device`` and compare with HF."""
     row = Row(name, "standard", variant, device.type)
     with _reported(row):
-        backend = _load(name)
-        if isinstance(backend, str):
-            pytest.skip(backend)
-        row.dtype = _dtype_for(backend)
-        row.declared_path = str(backend.compute_path(device))
-        why = _why_not(backend, load_config(hf.path), row.dtype, device)
-        if why is not None:
-            pytest.skip(why)
+        _admit(row, name, load_config(hf.path), device)
         engine = LLMEngine.create(hf.path, backend=name, dtype=row.dtype, device=device,
                                   engine_config=_variant(variant))
         steps = spy_step_tokens(engine)
@@ -245,14 +252,7 @@ def check_mla(name: str, device: torch.device) -> Row:
     dense recomputation (computed on CPU from the served weights)."""
     row = Row(name, "mla", "default", device.type)
     with _reported(row):
-        backend = _load(name)
-        if isinstance(backend, str):
-            pytest.skip(backend)
-        row.dtype = _dtype_for(backend)
-        row.declared_path = str(backend.compute_path(device))
-        why = _why_not(backend, random_mla_config(), row.dtype, device)
-        if why is not None:
-            pytest.skip(why)
+        _admit(row, name, random_mla_config(), device)
         engine = LLMEngine.create(
             "random-mla", backend=name, dtype=row.dtype, device=device,
             engine_config=EngineConfig(max_model_len=64, max_num_batched_tokens=8),
