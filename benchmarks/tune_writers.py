@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/local"))
     p.add_argument("--tokens", type=int, nargs="+", default=[65536])
     p.add_argument("--configs", nargs="*", default=TARGETS)
-    p.add_argument("--block-t", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--block-t", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--iters", type=int, default=50)
     args = p.parse_args(argv)

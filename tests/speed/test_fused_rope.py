@@ -106,6 +106,7 @@ def _inputs(case: RopeCase, seed: int) -> dict[str, object]:
     query = torch.randn(n + 1, Q_HEADS, HEAD, generator=g).to(dtype) if case.query else None
     slots = torch.randperm(NB * BS, generator=g)[:t]
     slots[2] = -1
+    slots[4] = NB * BS + 3  # past the cache: skipped, like a negative slot
     positions = torch.randint(0, 40, (n,), generator=g)
     rope = RoPE.build(case.rotary_dim, 40, base=500.0, style=case.style,  # type: ignore[arg-type]
                       dtype=DT[case.table])

@@ -326,15 +326,15 @@ def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, mask: tl.tensor,
 
 
 @jit
-def _rope_pairs(
-    base: tl.tensor, sd: tl.tensor, mask: tl.tensor, i1: tl.tensor, i2: tl.tensor,
-    c: tl.tensor, s: tl.tensor, IN_KIND: tl.constexpr,
+def _rotate_pairs(
+    x1: tl.tensor, x2: tl.tensor, c: tl.tensor, s: tl.tensor, IN_KIND: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor]:
-    """Rotated bits of the pairs ``(i1, i2)`` of rows ``base`` ``[BLOCK_H]``."""
-    x1 = _widen(tl.load(base[:, None] + i1[None, :] * sd, mask=mask, other=0), IN_KIND)
-    x2 = _widen(tl.load(base[:, None] + i2[None, :] * sd, mask=mask, other=0), IN_KIND)
-    o1 = x1 * c[None, :] - x2 * s[None, :]
-    o2 = x2 * c[None, :] + x1 * s[None, :]
+    """Rotated input-dtype bits of the pairs ``(x1, x2)`` (input bits) by ``c``, ``s``
+    (float32, broadcast against them)."""
+    y1 = _widen(x1, IN_KIND)
+    y2 = _widen(x2, IN_KIND)
+    o1 = y1 * c - y2 * s
+    o2 = y2 * c + y1 * s
     return _to_input_bits(o1, IN_KIND), _to_input_bits(o2, IN_KIND)
 
 
@@ -368,43 +368,49 @@ def rope_kv_kernel(
     and MODE as :func:`scatter_kv_kernel`."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    pos = tl.load(pos_ptr + t * pos_st)
     j = tl.arange(0, BLOCK_R)
     jm = j < half
-    c = _load_f32(cs_ptr + pos * cs_sp + j * cs_sd, jm, CS_KIND)
-    s = _load_f32(cs_ptr + pos * cs_sp + (j + half) * cs_sd, jm, CS_KIND)
     if NEOX:
         i1 = j
         i2 = j + half
     else:
         i1 = 2 * j
         i2 = 2 * j + 1
+    # Issue order sets the latency of the small batches: the rows (and the slot) are
+    # loaded first, none of them waits for another load, then the position and its
+    # cos/sin row (which waits for the position): two memory round trips before the
+    # stores, where a load masked by the slot would make it three.
     # (names differ between the branches: a runtime if merges same-named values)
     if g < q_groups:
         hq = (g * BLOCK_HQ + tl.arange(0, BLOCK_HQ)).to(tl.int64)
         mq = (hq < num_q_heads)[:, None] & jm[None, :]
         qrow = q_ptr + t * q_st + hq * q_sh
-        q1, q2 = _rope_pairs(qrow, q_sd, mq, i1, i2, c, s, IN_KIND)
+        qx1 = tl.load(qrow[:, None] + i1[None, :] * q_sd, mask=mq, other=0)
+        qx2 = tl.load(qrow[:, None] + i2[None, :] * q_sd, mask=mq, other=0)
+        qpos = tl.load(pos_ptr + t * pos_st)
+        qc = _load_f32(cs_ptr + qpos * cs_sp + j * cs_sd, jm, CS_KIND)
+        qs = _load_f32(cs_ptr + qpos * cs_sp + (j + half) * cs_sd, jm, CS_KIND)
+        q1, q2 = _rotate_pairs(qx1, qx2, qc[None, :], qs[None, :], IN_KIND)
         tl.store(qrow[:, None] + i1[None, :] * q_sd, q1, mask=mq)
         tl.store(qrow[:, None] + i2[None, :] * q_sd, q2, mask=mq)
     else:
         h = ((g - q_groups) * BLOCK_HK + tl.arange(0, BLOCK_HK)).to(tl.int64)
         hm = h < num_kv_heads
+        base = k_ptr + t * k_st + h * k_sh
         if WRITE:
             live = t < num_write
             slot = tl.load(slot_ptr + t * slot_st, mask=live, other=-1)
-            ok = live & (slot >= 0) & (slot < num_slots)
-            m = ok & hm[:, None] & jm[None, :]
-            base = k_ptr + t * k_st + h * k_sh
-            b1, b2 = _rope_pairs(base, k_sd, m, i1, i2, c, s, IN_KIND)
-            # every load before the first store (see scatter_kv_tiled_kernel)
+            # rows below num_write always exist: the loads do not wait for the slot
+            lm = live & hm[:, None] & jm[None, :]
+            kx1 = tl.load(base[:, None] + i1[None, :] * k_sd, mask=lm, other=0)
+            kx2 = tl.load(base[:, None] + i2[None, :] * k_sd, mask=lm, other=0)
             if PASS_K:
                 d = 2 * half + tl.arange(0, BLOCK_PK)
-                pm = ok & hm[:, None] & (d < head_size_k)[None, :]
-                pbits = tl.load(base[:, None] + d[None, :] * k_sd, mask=pm, other=0)
+                pl = live & hm[:, None] & (d < head_size_k)[None, :]
+                pbits = tl.load(base[:, None] + d[None, :] * k_sd, mask=pl, other=0)
             dv = tl.arange(0, BLOCK_DV)
-            vm = ok & hm[:, None] & (dv < head_size_v)[None, :]
-            vbits = tl.load(v_ptr + t * v_st + h[:, None] * v_sh + dv[None, :] * v_sd, mask=vm,
+            vl = live & hm[:, None] & (dv < head_size_v)[None, :]
+            vbits = tl.load(v_ptr + t * v_st + h[:, None] * v_sh + dv[None, :] * v_sd, mask=vl,
                             other=0)
             if MODE == 0:
                 sk = 1.0
@@ -412,6 +418,13 @@ def rope_kv_kernel(
             else:
                 sk = tl.load(ks_ptr + h * ks_sh, mask=hm, other=1.0)[:, None]
                 sv = tl.load(vs_ptr + h * vs_sh, mask=hm, other=1.0)[:, None]
+            kpos = tl.load(pos_ptr + t * pos_st)
+            kc = _load_f32(cs_ptr + kpos * cs_sp + j * cs_sd, jm, CS_KIND)
+            ks = _load_f32(cs_ptr + kpos * cs_sp + (j + half) * cs_sd, jm, CS_KIND)
+            b1, b2 = _rotate_pairs(kx1, kx2, kc[None, :], ks[None, :], IN_KIND)
+            # every load before the first store (see scatter_kv_tiled_kernel)
+            ok = (slot >= 0) & (slot < num_slots)
+            m = ok & lm
             blk = slot // block_size
             off = slot % block_size
             kdst = (kc_ptr + blk * kc_sb + (off // K_XO) * kc_so_hi + (off % K_XO) * kc_so_lo
@@ -422,33 +435,21 @@ def rope_kv_kernel(
                       b2, sk, m, IN_KIND, MODE, HW_CVT)
             if PASS_K:
                 _store_as(kdst[:, None] + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, :],
-                          pbits, sk, pm, IN_KIND, MODE, HW_CVT)
+                          pbits, sk, ok & pl, IN_KIND, MODE, HW_CVT)
             vdst = (vc_ptr + blk * vc_sb + (off // V_XO) * vc_so_hi + (off % V_XO) * vc_so_lo
                     + h * vc_sh)
             _store_as(vdst[:, None] + ((dv // V_XD) * vc_sd_hi + (dv % V_XD) * vc_sd_lo)[None, :],
-                      vbits, sv, vm, IN_KIND, MODE, HW_CVT)
+                      vbits, sv, ok & vl, IN_KIND, MODE, HW_CVT)
         else:
             m = hm[:, None] & jm[None, :]
-            base = k_ptr + t * k_st + h * k_sh
-            b1, b2 = _rope_pairs(base, k_sd, m, i1, i2, c, s, IN_KIND)
+            kx1 = tl.load(base[:, None] + i1[None, :] * k_sd, mask=m, other=0)
+            kx2 = tl.load(base[:, None] + i2[None, :] * k_sd, mask=m, other=0)
+            kpos = tl.load(pos_ptr + t * pos_st)
+            kc = _load_f32(cs_ptr + kpos * cs_sp + j * cs_sd, jm, CS_KIND)
+            ks = _load_f32(cs_ptr + kpos * cs_sp + (j + half) * cs_sd, jm, CS_KIND)
+            b1, b2 = _rotate_pairs(kx1, kx2, kc[None, :], ks[None, :], IN_KIND)
             tl.store(base[:, None] + i1[None, :] * k_sd, b1, mask=m)
             tl.store(base[:, None] + i2[None, :] * k_sd, b2, mask=m)
-
-
-@jit
-def _rope_pairs_tiled(
-    base: tl.tensor, sd: tl.tensor, mask: tl.tensor, i1: tl.tensor, i2: tl.tensor,
-    c: tl.tensor, s: tl.tensor, IN_KIND: tl.constexpr,
-) -> tuple[tl.tensor, tl.tensor]:
-    """:func:`_rope_pairs` for rows ``base`` ``[BLOCK_T, BLOCK_H]`` and per-token ``c``,
-    ``s`` ``[BLOCK_T, BLOCK_R]``."""
-    x1 = _widen(tl.load(base[:, :, None] + i1[None, None, :] * sd, mask=mask, other=0), IN_KIND)
-    x2 = _widen(tl.load(base[:, :, None] + i2[None, None, :] * sd, mask=mask, other=0), IN_KIND)
-    cc = c[:, None, :]
-    ss = s[:, None, :]
-    o1 = x1 * cc - x2 * ss
-    o2 = x2 * cc + x1 * ss
-    return _to_input_bits(o1, IN_KIND), _to_input_bits(o2, IN_KIND)
 
 
 @jit_token_count("num_write", "num_rows")
@@ -479,73 +480,88 @@ def rope_kv_tiled_kernel(
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     g = tl.program_id(1)
     tm = t < num_rows
-    pos = tl.load(pos_ptr + t * pos_st, mask=tm, other=0)
     j = tl.arange(0, BLOCK_R)
     jm = j < half
     cm = tm[:, None] & jm[None, :]
-    c = _load_f32(cs_ptr + pos[:, None] * cs_sp + j[None, :] * cs_sd, cm, CS_KIND)
-    s = _load_f32(cs_ptr + pos[:, None] * cs_sp + (j + half)[None, :] * cs_sd, cm, CS_KIND)
     if NEOX:
         i1 = j
         i2 = j + half
     else:
         i1 = 2 * j
         i2 = 2 * j + 1
+    # issue order as in rope_kv_kernel: rows and slots first, then positions -> cos/sin
     if g < q_groups:
         hq = (g * BLOCK_HQ + tl.arange(0, BLOCK_HQ)).to(tl.int64)
         mq = tm[:, None, None] & (hq < num_q_heads)[None, :, None] & jm[None, None, :]
         qrow = q_ptr + t[:, None] * q_st + hq[None, :] * q_sh
-        q1, q2 = _rope_pairs_tiled(qrow, q_sd, mq, i1, i2, c, s, IN_KIND)
+        qx1 = tl.load(qrow[:, :, None] + i1[None, None, :] * q_sd, mask=mq, other=0)
+        qx2 = tl.load(qrow[:, :, None] + i2[None, None, :] * q_sd, mask=mq, other=0)
+        qpos = tl.load(pos_ptr + t * pos_st, mask=tm, other=0)
+        qc = _load_f32(cs_ptr + qpos[:, None] * cs_sp + j[None, :] * cs_sd, cm, CS_KIND)
+        qs = _load_f32(cs_ptr + qpos[:, None] * cs_sp + (j + half)[None, :] * cs_sd, cm, CS_KIND)
+        q1, q2 = _rotate_pairs(qx1, qx2, qc[:, None, :], qs[:, None, :], IN_KIND)
         tl.store(qrow[:, :, None] + i1[None, None, :] * q_sd, q1, mask=mq)
         tl.store(qrow[:, :, None] + i2[None, None, :] * q_sd, q2, mask=mq)
     else:
         h = ((g - q_groups) * BLOCK_HK + tl.arange(0, BLOCK_HK)).to(tl.int64)
         hm = h < num_kv_heads
+        base = k_ptr + t[:, None] * k_st + h[None, :] * k_sh
         if WRITE:
             live = tm & (t < num_write)
             slot = tl.load(slot_ptr + t * slot_st, mask=live, other=-1)
-            okh = (live & (slot >= 0) & (slot < num_slots))[:, None] & hm[None, :]
-            m = okh[:, :, None] & jm[None, None, :]
-            base = k_ptr + t[:, None] * k_st + h[None, :] * k_sh
-            b1, b2 = _rope_pairs_tiled(base, k_sd, m, i1, i2, c, s, IN_KIND)
-            # every load before the first store (see scatter_kv_tiled_kernel)
+            lh = live[:, None] & hm[None, :]
+            lm = lh[:, :, None] & jm[None, None, :]
+            kx1 = tl.load(base[:, :, None] + i1[None, None, :] * k_sd, mask=lm, other=0)
+            kx2 = tl.load(base[:, :, None] + i2[None, None, :] * k_sd, mask=lm, other=0)
             if PASS_K:
                 d = 2 * half + tl.arange(0, BLOCK_PK)
-                pm = okh[:, :, None] & (d < head_size_k)[None, None, :]
-                pbits = tl.load(base[:, :, None] + d[None, None, :] * k_sd, mask=pm, other=0)
+                pl = lh[:, :, None] & (d < head_size_k)[None, None, :]
+                pbits = tl.load(base[:, :, None] + d[None, None, :] * k_sd, mask=pl, other=0)
             dv = tl.arange(0, BLOCK_DV)
-            vm = okh[:, :, None] & (dv < head_size_v)[None, None, :]
+            vl = lh[:, :, None] & (dv < head_size_v)[None, None, :]
             vbits = tl.load(v_ptr + t[:, None, None] * v_st + h[None, :, None] * v_sh
-                            + dv[None, None, :] * v_sd, mask=vm, other=0)
+                            + dv[None, None, :] * v_sd, mask=vl, other=0)
             if MODE == 0:
                 sk = 1.0
                 sv = 1.0
             else:
                 sk = tl.load(ks_ptr + h * ks_sh, mask=hm, other=1.0)[None, :, None]
                 sv = tl.load(vs_ptr + h * vs_sh, mask=hm, other=1.0)[None, :, None]
+            kpos = tl.load(pos_ptr + t * pos_st, mask=tm, other=0)
+            kc = _load_f32(cs_ptr + kpos[:, None] * cs_sp + j[None, :] * cs_sd, cm, CS_KIND)
+            ks = _load_f32(cs_ptr + kpos[:, None] * cs_sp + (j + half)[None, :] * cs_sd, cm,
+                           CS_KIND)
+            b1, b2 = _rotate_pairs(kx1, kx2, kc[:, None, :], ks[:, None, :], IN_KIND)
+            # every load before the first store (see scatter_kv_tiled_kernel)
+            ok = ((slot >= 0) & (slot < num_slots))[:, None, None]
             blk = slot // block_size
             off = slot % block_size
             kdst = (kc_ptr + (blk * kc_sb + (off // K_XO) * kc_so_hi
                               + (off % K_XO) * kc_so_lo)[:, None] + h[None, :] * kc_sh)
             _store_as(kdst[:, :, None]
                       + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, None, :],
-                      b1, sk, m, IN_KIND, MODE, HW_CVT)
+                      b1, sk, ok & lm, IN_KIND, MODE, HW_CVT)
             _store_as(kdst[:, :, None]
                       + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, None, :],
-                      b2, sk, m, IN_KIND, MODE, HW_CVT)
+                      b2, sk, ok & lm, IN_KIND, MODE, HW_CVT)
             if PASS_K:
                 _store_as(kdst[:, :, None]
                           + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, None, :],
-                          pbits, sk, pm, IN_KIND, MODE, HW_CVT)
+                          pbits, sk, ok & pl, IN_KIND, MODE, HW_CVT)
             vdst = (vc_ptr + (blk * vc_sb + (off // V_XO) * vc_so_hi
                               + (off % V_XO) * vc_so_lo)[:, None] + h[None, :] * vc_sh)
             _store_as(vdst[:, :, None]
                       + ((dv // V_XD) * vc_sd_hi + (dv % V_XD) * vc_sd_lo)[None, None, :],
-                      vbits, sv, vm, IN_KIND, MODE, HW_CVT)
+                      vbits, sv, ok & vl, IN_KIND, MODE, HW_CVT)
         else:
             m = tm[:, None, None] & hm[None, :, None] & jm[None, None, :]
-            base = k_ptr + t[:, None] * k_st + h[None, :] * k_sh
-            b1, b2 = _rope_pairs_tiled(base, k_sd, m, i1, i2, c, s, IN_KIND)
+            kx1 = tl.load(base[:, :, None] + i1[None, None, :] * k_sd, mask=m, other=0)
+            kx2 = tl.load(base[:, :, None] + i2[None, None, :] * k_sd, mask=m, other=0)
+            kpos = tl.load(pos_ptr + t * pos_st, mask=tm, other=0)
+            kc = _load_f32(cs_ptr + kpos[:, None] * cs_sp + j[None, :] * cs_sd, cm, CS_KIND)
+            ks = _load_f32(cs_ptr + kpos[:, None] * cs_sp + (j + half)[None, :] * cs_sd, cm,
+                           CS_KIND)
+            b1, b2 = _rotate_pairs(kx1, kx2, kc[:, None, :], ks[:, None, :], IN_KIND)
             tl.store(base[:, :, None] + i1[None, None, :] * k_sd, b1, mask=m)
             tl.store(base[:, :, None] + i2[None, None, :] * k_sd, b2, mask=m)
 
