@@ -158,7 +158,7 @@ def build(cfg: Config, n: int, args: argparse.Namespace, device: torch.device,
     else:
         slots = torch.arange(n)
     slots = slots.to(device)
-    scale = torch.ones(1, device=device)
+    scale = torch.full((1,), args.scale, device=device)
     quant = KVQuant(cfg.cache_dtype, scale, scale)
     elem_in = model.itemsize
     stored = cache.element_size()
@@ -250,7 +250,7 @@ def _index_copy_rows(args: argparse.Namespace, device: torch.device, gen: torch.
     return rows
 
 
-def _matches_reference(cfg: Config, setup: Setup, path: str) -> bool:
+def _matches_reference(cfg: Config, setup: Setup, path: str, scale_value: float) -> bool:
     """A write by the timed path equals the torch reference's, byte for byte."""
     from vllm.attention.writers import reference_write
 
@@ -259,7 +259,7 @@ def _matches_reference(cfg: Config, setup: Setup, path: str) -> bool:
     got.view(bits).zero_()
     ref.view(bits).zero_()
     a, b, slots = setup.args
-    scale = torch.ones(1, device=got.device)
+    scale = torch.full((1,), scale_value, device=got.device)
     quant = KVQuant(cfg.cache_dtype, scale, scale)
     if cfg.mla:
         mla_writer_for_layout(cfg.layout).write(a, b, got, slots, quant, path=path)
@@ -286,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-lora-rank", type=int, default=512)
     p.add_argument("--rope-dim", type=int, default=64)
     p.add_argument("--slots", choices=["random", "contiguous"], default="random")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="the fp8 caches' k/v scale: 1.0 (uncalibrated, a power of two: the "
+                        "quantiser multiplies) or any other value (it divides)")
     p.add_argument("--path", choices=["triton", "torch"], default=None,
                    help="force the writers' path (default: triton on CUDA, torch elsewhere)")
     p.add_argument("--iters", type=int, default=50)
@@ -339,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                     row.kernel_gbps = setup.bytes_moved / (row.kernel_us * 1e-6) / 1e9
                     row.kernel_vs_copy = row.kernel_gbps / copy_gbps
                 if not checked and (n >= 256 or n == tokens[-1]):
-                    row.matches_reference = _matches_reference(cfg, setup, path)
+                    row.matches_reference = _matches_reference(cfg, setup, path, args.scale)
                     checked = True
                 del setup
             except Exception as exc:  # one broken configuration must not end the run

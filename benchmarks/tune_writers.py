@@ -2,13 +2,14 @@
 
 For the target rows of ``bench_writers.py`` (split K/V bf16 and fp8, MLA latent bf16
 and fp8, T = 65536 random slots) times the prebuilt kernel launch with CUDA events
-for every ``BLOCK_T`` x ``num_warps`` (x ``FAST_DIV`` for fp8) and reports GB/s and the
+for every ``BLOCK_T`` x ``num_warps`` (for fp8: at scale 1.0, which the quantiser
+multiplies by, and at 0.37 with and without ``FAST_DIV``) and reports GB/s and the
 ratio to an eager ``copy_`` of a 2 GiB bf16 tensor measured in the same run. Every
 variant's cache bytes are compared with the default launch's (a variant that differs
 is reported and never chosen). The defaults in ``vllm/attention/ops/triton_writers.py``
 come from this table (``docs/performance.md``). Then the fused RoPE + write (keys
-only, T=8192) against the plain write, in CUDA graphs: the one-token kernel at 1..8
-warps and the opt-in tiled kernel (``VLLM_KV_ROPE_TILED=1``) at 1..8 tokens a program.
+only, T=8192) against the plain write, in CUDA graphs, at 2..8 warps with and without
+its L2 hints.
 
     python benchmarks/tune_writers.py --out benchmarks/results/h200
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -52,11 +54,9 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 def _rope_sweep(dev: torch.device, iters: int) -> list[dict[str, object]]:
     """The fused RoPE + write without a query (``fused k-only`` of bench_fused_rope.py)
     at T=8192 against the plain write's launch, device time per call in CUDA graphs (20
-    calls a graph): ``rope_kv_kernel`` at 1..8 warps and the opt-in
-    ``rope_kv_tiled_kernel`` at 1..8 tokens a program, bf16 and fp8, each variant's
-    bytes checked against the one-token kernel's."""
-    import os
-
+    calls a graph, the same positions each call, as consecutive layers have):
+    ``rope_kv_kernel`` at 2..8 warps, with and without its L2 hints (``CACHE_HINTS``),
+    bf16 and fp8, each variant's bytes checked against the default launch's."""
     import bench_fused_rope as bf
     from _timing import capture, replay_us
 
@@ -76,40 +76,28 @@ def _rope_sweep(dev: torch.device, iters: int) -> list[dict[str, object]]:
         kt, vt = ScatterTarget.token_major(kv), ScatterTarget.token_major(vv)
         mode = scatter_mode(cache_dtype)
         q = x["quant"]
-
-        def fused() -> Launch:
-            return rope_kv_launch(None, x["k"], x["v"], kt, vt, x["slots"], x["positions"],
-                                  rope.cos_sin_cache, True, mode, q.k_scale, q.v_scale)
-
         plain_us = graph_us(scatter_kv_launch(x["k"], x["v"], kt, vt, x["slots"], mode,
                                               q.k_scale, q.v_scale))
-        base = fused()
+        base = rope_kv_launch(None, x["k"], x["v"], kt, vt, x["slots"], x["positions"],
+                              rope.cos_sin_cache, True, mode, q.k_scale, q.v_scale)
         x["cache"].zero_()
         base.run()
         want = _raw(x["cache"]).clone()
-        variants = [(f"one-token warps={nw}",
-                     dataclasses.replace(base, options={**base.options, "num_warps": nw}))
-                    for nw in (1, 2, 4, 8)]
-        os.environ["VLLM_KV_ROPE_TILED"] = "1"
-        try:
-            tiled = fused()
-        finally:
-            os.environ.pop("VLLM_KV_ROPE_TILED", None)
-        for bt in (1, 2, 4, 8):
-            for nw in (4, 8):
-                v = variant(tiled, 8192, bt, nw, None)
-                variants.append((f"tiled BLOCK_T={bt} warps={nw}", v))
-        for name, v in variants:
-            x["cache"].zero_()
-            v.run()
-            same = bool(torch.equal(_raw(x["cache"]), want))
-            us = graph_us(v)
-            rows.append({"config": f"rope_k_only/{cache_dtype}", "tokens": 8192, "variant": name,
-                         "us": us, "plain_write_us": plain_us, "vs_plain_write": us / plain_us,
-                         "bytes_equal": same})
-            print(f"rope k-only {cache_dtype:9} T=8192 {name:28} {us:7.2f} us, plain write "
-                  f"{plain_us:7.2f} us, ratio {us / plain_us:5.3f}"
-                  + ("" if same else "  BYTES DIFFER"))
+        for hints in (1, 0):
+            for nw in (2, 4, 8):
+                name = f"warps={nw} hints={hints}"
+                v = dataclasses.replace(base, constexprs={**base.constexprs, "CACHE_HINTS": hints},
+                                        options={**base.options, "num_warps": nw})
+                x["cache"].zero_()
+                v.run()
+                same = bool(torch.equal(_raw(x["cache"]), want))
+                us = graph_us(v)
+                rows.append({"config": f"rope_k_only/{cache_dtype}", "tokens": 8192,
+                             "variant": name, "us": us, "plain_write_us": plain_us,
+                             "vs_plain_write": us / plain_us, "bytes_equal": same})
+                print(f"rope k-only {cache_dtype:9} T=8192 {name:20} {us:7.2f} us, plain write "
+                      f"{plain_us:7.2f} us, ratio {us / plain_us:5.3f}"
+                      + ("" if same else "  BYTES DIFFER"))
     return rows
 
 
@@ -121,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", nargs="*", default=TARGETS)
     p.add_argument("--block-t", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--scales", type=float, nargs="+", default=[1.0, 0.37],
+                   help="fp8 k/v scales: 1.0 (a power of two: the quantiser multiplies) and "
+                        "one that is not (it divides: FAST_DIV on and off)")
     p.add_argument("--iters", type=int, default=50)
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or not triton_importable():
@@ -128,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     dev = torch.device("cuda")
     ns = argparse.Namespace(block_size=16, heads=8, head_size=128, dtype="bf16",
-                            kv_lora_rank=512, rope_dim=64, slots="random", path="triton")
+                            kv_lora_rank=512, rope_dim=64, slots="random", path="triton",
+                            scale=1.0)
     copy_gbps = copy_ceiling_gbps(dev, 2.0, 10)
     print(f"eager copy_ ceiling: {copy_gbps:.0f} GB/s")
     gen = torch.Generator().manual_seed(0)
@@ -138,41 +130,46 @@ def main(argv: list[str] | None = None) -> int:
         cfg = next(c for c in bw.CONFIGS if c.name == name)
         fp8 = cfg.cache_dtype != "auto"
         for n in args.tokens:
-            setup = bw.build(cfg, n, ns, dev, gen)
-            base = setup.launch
-            if base is None or base.kernel != "scatter_kv_tiled_kernel":
-                print(f"{name}: not the tiled kernel, skipped")
-                continue
-            setup.cache.zero_()
-            base.run()
-            want = setup.cache.clone()
-            for fast in ((False, True) if fp8 else (None,)):
-                for bt in args.block_t:
-                    for nw in args.warps:
-                        v = variant(base, n, bt, nw, fast)
-                        try:
-                            setup.cache.zero_()
-                            v.run()
-                            same = bool(torch.equal(_raw(setup.cache), _raw(want)))
-                            us = event_us(v.run, iters=args.iters, warmup=5, rounds=1)
-                        except Exception as exc:  # a variant that does not compile
-                            print(f"{name} T={n} BLOCK_T={bt} warps={nw} fast={fast}: {exc}")
-                            continue
-                        gbps = setup.bytes_moved / (us * 1e-6) / 1e9
-                        bad += not same
-                        row = {"config": name, "tokens": n, "block_t": bt, "num_warps": nw,
-                               "fast_div": fast, "us": us, "gbps": gbps,
-                               "vs_copy": gbps / copy_gbps, "bytes_equal": same}
-                        rows.append(row)
-                        print(f"{name:22} T={n:<6} BLOCK_T={bt:<3} warps={nw} fast={fast!s:5} "
-                              f"{us:8.1f} us {gbps:7.0f} GB/s {gbps / copy_gbps:5.2f}x"
-                              + ("" if same else "  BYTES DIFFER"))
-            default = {k: base.constexprs.get(k) for k in ("BLOCK_T", "FAST_DIV")}
-            best = max((r for r in rows if r["config"] == name and r["tokens"] == n
-                        and r["bytes_equal"]), key=lambda r: float(r["gbps"]))  # type: ignore[arg-type]
-            print(f"  default {default} warps=4; best {best}")
-            del setup
-            torch.cuda.empty_cache()
+            for scale in (args.scales if fp8 else [1.0]):
+                ns.scale = scale
+                setup = bw.build(cfg, n, ns, dev, gen)
+                base = setup.launch
+                if base is None or base.kernel != "scatter_kv_tiled_kernel":
+                    print(f"{name}: not the tiled kernel, skipped")
+                    continue
+                setup.cache.zero_()
+                base.run()
+                want = setup.cache.clone()
+                pow2 = math.frexp(scale)[0] == 0.5  # FAST_DIV is not used then
+                for fast in ((None,) if not fp8 else (True,) if pow2 else (False, True)):
+                    for bt in args.block_t:
+                        for nw in args.warps:
+                            v = variant(base, n, bt, nw, fast)
+                            try:
+                                setup.cache.zero_()
+                                v.run()
+                                same = bool(torch.equal(_raw(setup.cache), _raw(want)))
+                                us = event_us(v.run, iters=args.iters, warmup=5, rounds=1)
+                            except Exception as exc:  # a variant that does not compile
+                                print(f"{name} T={n} BLOCK_T={bt} warps={nw} fast={fast}: {exc}")
+                                continue
+                            gbps = setup.bytes_moved / (us * 1e-6) / 1e9
+                            bad += not same
+                            row = {"config": name, "tokens": n, "scale": scale, "block_t": bt,
+                                   "num_warps": nw, "fast_div": fast, "us": us, "gbps": gbps,
+                                   "vs_copy": gbps / copy_gbps, "bytes_equal": same}
+                            rows.append(row)
+                            print(f"{name:22} T={n:<6} scale={scale:<5} BLOCK_T={bt:<3} "
+                                  f"warps={nw} fast={fast!s:5} {us:8.1f} us {gbps:7.0f} GB/s "
+                                  f"{gbps / copy_gbps:5.2f}x" + ("" if same else "  BYTES DIFFER"))
+                default = {k: base.constexprs.get(k) for k in ("BLOCK_T", "FAST_DIV")}
+                best = max((r for r in rows if r["config"] == name and r["tokens"] == n
+                            and r["scale"] == scale and r["bytes_equal"]),
+                           key=lambda r: float(r["gbps"]))  # type: ignore[arg-type]
+                print(f"  default {default} warps={base.options.get('num_warps', 4)}; "
+                      f"best {best}")
+                del setup
+                torch.cuda.empty_cache()
     rope_rows = _rope_sweep(dev, args.iters)
     bad += sum(not r["bytes_equal"] for r in rope_rows)
     rows += rope_rows

@@ -169,21 +169,6 @@ def record_writers() -> list:
             add(f"rope-{cdt}-{'neox' if neox else 'gptj'}", launch)
             if mode:
                 add(f"rope-{cdt}-{'neox' if neox else 'gptj'}-hwcvt", launch, HW_CVT=True)
-    os.environ["VLLM_KV_ROPE_TILED"] = "1"  # the opt-in tiled RoPE kernel, several tokens
-    try:                                    # per program (T=4096)
-        for cdt, storage, mode in (("auto", torch.bfloat16, 0), ("fp8_e4m3", torch.uint8, 1)):
-            cache = torch.zeros(300, 2, 16, h, d, dtype=storage)
-            kt, vt = (tw.ScatterTarget.token_major(x)
-                      for x in split_kv_views(cache, KVCacheLayout.SPLIT_NHD))
-            for with_q in (True, False):
-                launch = tw.rope_kv_launch(q if with_q else None, key, key, kt, vt, slots, slots,
-                                           table, True, mode, scale, scale)
-                add(f"rope-tiled-{cdt}{'' if with_q else '-noq'}", launch)
-                if mode:
-                    add(f"rope-tiled-{cdt}-hwcvt", launch, HW_CVT=True)
-        add("rope-tiled-only", tw.rope_launch(q, key, slots, table, False))
-    finally:
-        os.environ.pop("VLLM_KV_ROPE_TILED", None)
     half_table = torch.zeros(4096, 64, dtype=torch.bfloat16)  # partial rotary, bf16 table
     add("rope-partial-noq", tw.rope_kv_launch(None, key, key, kt, vt, slots, slots, half_table,
                                               True, 0, scale, scale))

@@ -37,22 +37,6 @@ PATHS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not triton_importable(), reason="triton is not importable: the kernel cannot run here"))]
 
 
-@pytest.fixture(params=["one_token", "tiled_2", "tiled_auto"])
-def rope_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which Triton RoPE kernel the ``triton`` path launches: ``rope_kv_kernel`` (one
-    token per program, the default), or ``rope_kv_tiled_kernel`` (opt-in) with 2 tokens
-    per program (several programs, a partial last tile) or its own choice (one program
-    holding every row)."""
-    from vllm.attention.ops import triton_writers as tw
-
-    if request.param != "one_token":
-        monkeypatch.setenv("VLLM_KV_ROPE_TILED", "1")
-        monkeypatch.setattr(tw, "TILED_MIN_TOKENS", 1)
-    if request.param == "tiled_2":
-        monkeypatch.setattr(tw, "tokens_per_program", lambda *args, **kwargs: 2)
-    return str(request.param)
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
@@ -67,11 +51,12 @@ class RopeCase:
     table: str = "fp32"
     query: bool = True
     per_head_scale: bool = False
+    pow2_scale: bool = False  # powers of two: the quantiser multiplies instead of dividing
 
     @property
     def id(self) -> str:
         q = "" if self.query else "-noq"
-        sc = "-hscale" if self.per_head_scale else ""
+        sc = ("-hscale" if self.per_head_scale else "") + ("-pow2" if self.pow2_scale else "")
         return (f"{self.layout.value}-{self.dtype}-{self.cache_dtype}-{self.style}"
                 f"-r{self.rotary_dim}-tab{self.table}{q}{sc}")
 
@@ -84,6 +69,8 @@ CASES = [
     RopeCase(L.SPLIT_KV_FIRST, "bf16", "fp8", "gptj", 10, query=False),
     RopeCase(L.SPLIT_BLOCK_INTERLEAVED, "fp32", "auto", "neox", 12, table="fp16"),
     RopeCase(L.SPLIT_NHD, "fp16", "auto", "gptj", 6, per_head_scale=True),
+    RopeCase(L.SPLIT_NHD, "bf16", "fp8_e4m3", "neox", 16, per_head_scale=True, pow2_scale=True),
+    RopeCase(L.SPLIT_HND, "fp32", "fp8_e5m2", "gptj", 12, pow2_scale=True),
 ]
 
 
@@ -111,17 +98,20 @@ def _inputs(case: RopeCase, seed: int) -> dict[str, object]:
     rope = RoPE.build(case.rotary_dim, 40, base=500.0, style=case.style,  # type: ignore[arg-type]
                       dtype=DT[case.table])
     nscale = HEADS if case.per_head_scale else 1
-    quant = KVQuant(case.cache_dtype, torch.rand(nscale, generator=g) + 0.25,  # type: ignore[arg-type]
-                    torch.rand(nscale, generator=g) + 0.25)
+    if case.pow2_scale:  # 2**-126 overflows the quotient, 2**126 underflows it
+        ks, vs = torch.tensor([0.5, 2.0**-126][:nscale]), torch.tensor([4.0, 2.0**126][:nscale])
+    else:
+        ks, vs = torch.rand(nscale, generator=g) + 0.25, torch.rand(nscale, generator=g) + 0.25
+    quant = KVQuant(case.cache_dtype, ks, vs)  # type: ignore[arg-type]
     return dict(key=key, value=value, query=query, slots=slots, positions=positions, rope=rope,
                 quant=quant)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_fused_write_equals_rotate_then_write(case: RopeCase, path: str,
-                                              rope_kernel: str) -> None:
+def test_fused_write_equals_rotate_then_write(case: RopeCase, path: str) -> None:
     seed = zlib.crc32(case.id.encode())
     x = _inputs(case, seed)
     key, value, query = x["key"], x["value"], x["query"]
@@ -148,8 +138,7 @@ def test_fused_write_equals_rotate_then_write(case: RopeCase, path: str,
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
-def test_mla_fused_write_equals_rotate_then_write(cache_dtype: str, path: str,
-                                                  rope_kernel: str) -> None:
+def test_mla_fused_write_equals_rotate_then_write(cache_dtype: str, path: str) -> None:
     g = torch.Generator().manual_seed(3)
     lora, r, p, heads, t = 32, 8, 4, 3, 4
     kv_c = torch.randn(t, lora, generator=g).to(torch.bfloat16)
@@ -176,7 +165,7 @@ def test_mla_fused_write_equals_rotate_then_write(cache_dtype: str, path: str,
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("style", ["neox", "gptj"])
-def test_apply_rope_rotates_in_place(style: str, path: str, rope_kernel: str) -> None:
+def test_apply_rope_rotates_in_place(style: str, path: str) -> None:
     g = torch.Generator().manual_seed(4)
     q = torch.randn(6, 4, 16, generator=g).to(torch.bfloat16)
     k = torch.randn(6, 2, 16, generator=g).to(torch.bfloat16)

@@ -70,18 +70,12 @@ def _require_bound(runner: tw.CachedLaunch) -> None:
     assert runner.binding is not None and "current_hooks()" in runner.binding.source
 
 
-@pytest.mark.parametrize("kernel", ["one_token", "tiled"])
+@pytest.mark.parametrize("t", [33, 3000])
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("style", ["neox", "gptj"])
-def test_fused_rope_cuda_equals_rotate_then_write(style: str, cache_dtype: str, kernel: str,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default one-token kernel at 33 tokens; the opt-in tiled kernel
-    (``VLLM_KV_ROPE_TILED=1``) at 3000 tokens (several tokens a program, a partial
-    last tile), with and without a query."""
-    t = 33
-    if kernel == "tiled":
-        monkeypatch.setenv("VLLM_KV_ROPE_TILED", "1")
-        t = 3000
+def test_fused_rope_cuda_equals_rotate_then_write(style: str, cache_dtype: str, t: int) -> None:
+    """The fused RoPE + write at 33 and 3000 tokens, with and without a query, against
+    rotate-then-reference-write, byte for byte."""
     w = SplitKVCacheWriter(L.SPLIT_NHD)
     rope = RoPE.build(128, 4096, style=style, device=DEV)  # type: ignore[arg-type]
     for seed in range(4):  # the second call on runs through the bound launch

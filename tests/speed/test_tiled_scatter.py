@@ -44,19 +44,35 @@ def _cache(layout: KVCacheLayout, storage: torch.dtype) -> torch.Tensor:
     return phys.permute(*[order.index(i) for i in range(len(order))])
 
 
+def _scales(kind: str, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V scales: ``random`` (never a power of two), ``pow2`` (every head a power of
+    two, the multiply path; the extremes 2**-126 and 2**126 overflow and underflow the
+    quotient), ``mixed`` (one head of each: the division path)."""
+    if kind == "random":
+        return torch.rand(n, generator=g) + 0.5, torch.rand(n, generator=g) + 0.5
+    if kind == "pow2":
+        k = [1.0] if n == 1 else [0.25, 2.0**-126]
+        v = [2.0**-3] if n == 1 else [2.0**126, -4.0]
+        return torch.tensor(k), torch.tensor(v)
+    return torch.tensor([0.5, 0.3][:n]), torch.tensor([0.7, 2.0][:n])
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("scales", ["random", "pow2", "mixed"])
 @pytest.mark.parametrize(("layout", "dtype", "cache_dtype", "nscale"), CASES,
                          ids=[f"{c[0].value}-{c[1]}-{c[2]}" for c in CASES])
 def test_tiled_equals_reference(layout: KVCacheLayout, dtype: str, cache_dtype: str,
-                                nscale: int, kernel: str) -> None:
+                                nscale: int, scales: str, kernel: str) -> None:
     g = torch.Generator().manual_seed(1)
     t = 13  # a partial last tile of 8
     key = (torch.randn(t + 2, 2, 32, generator=g) * 100).to(DT[dtype])
     value = (torch.randn(t + 2, 2, 32, generator=g) * 100).to(DT[dtype])
     slots = torch.randperm(32, generator=g)[:t]
     slots[[0, 9]] = -1
-    quant = KVQuant(cache_dtype, torch.rand(nscale, generator=g) + 0.5,  # type: ignore[arg-type]
-                    torch.rand(nscale, generator=g) + 0.5)
+    if cache_dtype == "auto" and scales != "random":
+        pytest.skip("scales are not read for an unquantised cache")
+    quant = KVQuant(cache_dtype, *_scales(scales, nscale, g))  # type: ignore[arg-type]
     storage = FP8.get(cache_dtype, DT[dtype])
     got, want = _cache(layout, storage), _cache(layout, storage)
     writer = SplitKVCacheWriter(layout)
@@ -65,15 +81,16 @@ def test_tiled_equals_reference(layout: KVCacheLayout, dtype: str, cache_dtype: 
     assert torch.equal(raw(got), raw(want))
 
 
-@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
-def test_tiled_mla_latent_equals_reference(cache_dtype: str, kernel: str) -> None:
+@pytest.mark.parametrize(("cache_dtype", "scale"), [("auto", 0.3), ("fp8_e4m3", 0.3),
+                                                   ("fp8_e4m3", 1.0), ("fp8_e4m3", 0.125)])
+def test_tiled_mla_latent_equals_reference(cache_dtype: str, scale: float, kernel: str) -> None:
     g = torch.Generator().manual_seed(2)
     t = 11
     kv_c = torch.randn(t, 64, generator=g).to(torch.bfloat16)
     k_pe = torch.randn(t, 16, generator=g).to(torch.bfloat16)
     slots = torch.randperm(24, generator=g)[:t]
     slots[3] = -1
-    quant = KVQuant(cache_dtype, torch.tensor([0.3]), torch.tensor([0.3]))  # type: ignore[arg-type]
+    quant = KVQuant(cache_dtype, torch.tensor([scale]), torch.tensor([scale]))  # type: ignore[arg-type]
     storage = torch.bfloat16 if cache_dtype == "auto" else torch.float8_e4m3fn
     got = torch.empty(3, 8, 80, dtype=storage)
     fill_random_bytes(got, 3)

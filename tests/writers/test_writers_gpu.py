@@ -171,9 +171,12 @@ def _every_16_bit_pattern(dtype: torch.dtype, heads: int) -> torch.Tensor:
 
 
 def _division_scales(gen: torch.Generator) -> list[float]:
-    """Scales that stress a per-element division: log-uniform ones, powers of two,
-    mantissas next to 1 and 2, and values whose reciprocals round badly."""
-    special = [1.0, 2.0**-20, 2.0**12, 3.0, 0.1, 1 / 3, 7.0, 448.0 / 3]
+    """Scales that stress a per-element division: log-uniform ones, powers of two (the
+    multiply path), mantissas next to 1 and 2, and values whose reciprocals round badly."""
+    # two chunks of 4 heads (the kernel multiplies when every head's scale is a power of
+    # two with a normal reciprocal), one with an out-of-range power (2**127: divides)
+    special = [1.0, 2.0**-126, 2.0**126, -0.5, 2.0**127, 1.0, 2.0**-3, 64.0]
+    special += [1.0, 2.0**-20, 2.0**12, 3.0, 0.1, 1 / 3, 7.0, 448.0 / 3]
     special += [float(torch.nextafter(torch.tensor(v), torch.tensor(0.0)))
                 for v in (1.0, 2.0, 4.0)]
     special += [float(torch.nextafter(torch.tensor(v), torch.tensor(10.0)))
@@ -193,7 +196,7 @@ def test_fast_division_is_byte_identical_exhaustively(in_dtype: str, cache_dtype
     """The tiled kernel's FAST_DIV (one reciprocal per head plus a Markstein FMA
     correction) stores exactly the bytes of the torch reference computed on the CPU:
     every bf16 / fp16 bit pattern (and 2**20 random fp32 patterns, specials included)
-    against 67 scales per head; with FAST_DIV off too (the IEEE division per element)."""
+    against 75 scales per head (8 of them in two all-power-of-two chunks); with FAST_DIV off too (the IEEE division per element)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{in_dtype}{cache_dtype}".encode()))
     heads = 4
     if in_dtype == "fp32":

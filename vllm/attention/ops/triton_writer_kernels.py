@@ -39,9 +39,24 @@ def jit_token_count(*names: str) -> Callable[[Callable[..., Any]], Any]:
 
 
 @jit
-def _load_f32(ptrs: tl.tensor, mask: tl.tensor, IN_KIND: tl.constexpr) -> tl.tensor:
-    """Input bits to float32, exactly. IN_KIND: 0 fp32 (int32 bits), 1 fp16, 2 bf16 (int16 bits)."""
-    bits = tl.load(ptrs, mask=mask, other=0)
+def _ld(ptrs: tl.tensor, mask: tl.tensor, HINT: tl.constexpr) -> tl.tensor:
+    """``tl.load`` (``other=0``) with an L2 hint. HINT: 0 none, 1 ``evict_first`` (rows
+    streamed once), 2 ``evict_last`` (a table every layer reads again)."""
+    if HINT == 1:
+        x = tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")
+    elif HINT == 2:
+        x = tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_last")
+    else:
+        x = tl.load(ptrs, mask=mask, other=0)
+    return x
+
+
+@jit
+def _load_f32(ptrs: tl.tensor, mask: tl.tensor, IN_KIND: tl.constexpr,
+              HINT: tl.constexpr = 0) -> tl.tensor:
+    """Input bits to float32, exactly. IN_KIND: 0 fp32 (int32 bits), 1 fp16, 2 bf16 (int16
+    bits). HINT: :func:`_ld`'s."""
+    bits = _ld(ptrs, mask, HINT)
     if IN_KIND == 0:
         x = bits.to(tl.float32, bitcast=True)
     elif IN_KIND == 1:
@@ -315,14 +330,34 @@ def _to_input_bits(y: tl.tensor, IN_KIND: tl.constexpr) -> tl.tensor:
 
 
 @jit
-def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, mask: tl.tensor,
-              IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr) -> None:
-    """Store input-dtype ``bits`` as the cache stores them (MODE 0 copy, 1 E4M3, 2 E5M2)."""
+def _scales_are_pow2(s: tl.tensor) -> tl.tensor:
+    """True when every scale of ``s`` [N] is ``+-2**k``, k in [-126, 126] (a normal float32
+    whose reciprocal is a normal float32, exactly). Then ``x * (1 / s)`` is the same real
+    number as ``x / s`` and float32 multiplication rounds it as division does (overflow,
+    underflow, signed zeros and NaN included): one multiply an element instead of an
+    IEEE division. Scale 1.0 (no calibration) is such a scale."""
+    b = s.to(tl.uint32, bitcast=True)
+    e = (b >> 23) & 0xFF
+    other = ((b & 0x7FFFFF) != 0) | (e < 1) | (e > 253)
+    return tl.reduce(other.to(tl.int32), 0, _max) == 0
+
+
+@jit
+def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, s_pow2: tl.tensor,
+              mask: tl.tensor, IN_KIND: tl.constexpr, MODE: tl.constexpr,
+              HW_CVT: tl.constexpr) -> None:
+    """Store input-dtype ``bits`` as the cache stores them (MODE 0 copy, 1 E4M3, 2 E5M2);
+    ``s_pow2``: :func:`_scales_are_pow2` of the scales ``s`` broadcasts."""
     if MODE == 0:
         tl.store(dst, bits, mask=mask)
     else:
-        y = tl.div_rn(_widen(bits, IN_KIND), s)
-        tl.store(dst, _fp8_store_bits(y, MODE, HW_CVT), mask=mask)
+        x = _widen(bits, IN_KIND)
+        if s_pow2:
+            q = _fp8_store_bits(x * tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s), MODE,
+                                HW_CVT, False)
+        else:
+            q = _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT)
+        tl.store(dst, q, mask=mask)
 
 
 @jit
@@ -358,14 +393,17 @@ def rope_kv_kernel(
     NEOX: tl.constexpr, WRITE: tl.constexpr, PASS_K: tl.constexpr,
     K_XO: tl.constexpr, K_XD: tl.constexpr, V_XO: tl.constexpr, V_XD: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_PK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_PK: tl.constexpr, BLOCK_DV: tl.constexpr, CACHE_HINTS: tl.constexpr,
 ) -> None:
     """One program per (token, head group): rotate ``q`` in place (groups below
     ``q_groups``), or rotate ``k`` and -- with WRITE -- store it and ``v`` at the token's
     slot (tokens from ``num_write`` on and negative slots store nothing), without
     WRITE rotate ``k`` in place. Pairs: NEOX ``(j, j + half)``, else ``(2j, 2j + 1)``;
     key dimensions from ``2 * half`` on are stored unrotated (PASS_K). Cache addressing
-    and MODE as :func:`scatter_kv_kernel`."""
+    and MODE as :func:`scatter_kv_kernel`. CACHE_HINTS (1 or 0): the cos/sin rows are
+    loaded ``evict_last`` and the key/value rows ``evict_first``, so that the table rows
+    of this step's positions stay in L2 for the next layer's call while the rows stream
+    through."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     j = tl.arange(0, BLOCK_R)
@@ -388,8 +426,9 @@ def rope_kv_kernel(
         qx1 = tl.load(qrow[:, None] + i1[None, :] * q_sd, mask=mq, other=0)
         qx2 = tl.load(qrow[:, None] + i2[None, :] * q_sd, mask=mq, other=0)
         qpos = tl.load(pos_ptr + t * pos_st)
-        qc = _load_f32(cs_ptr + qpos * cs_sp + j * cs_sd, jm, CS_KIND)
-        qs = _load_f32(cs_ptr + qpos * cs_sp + (j + half) * cs_sd, jm, CS_KIND)
+        qc = _load_f32(cs_ptr + qpos * cs_sp + j * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
+        qs = _load_f32(cs_ptr + qpos * cs_sp + (j + half) * cs_sd, jm, CS_KIND,
+                       2 * CACHE_HINTS)
         q1, q2 = _rotate_pairs(qx1, qx2, qc[None, :], qs[None, :], IN_KIND)
         tl.store(qrow[:, None] + i1[None, :] * q_sd, q1, mask=mq)
         tl.store(qrow[:, None] + i2[None, :] * q_sd, q2, mask=mq)
@@ -402,25 +441,32 @@ def rope_kv_kernel(
             slot = tl.load(slot_ptr + t * slot_st, mask=live, other=-1)
             # rows below num_write always exist: the loads do not wait for the slot
             lm = live & hm[:, None] & jm[None, :]
-            kx1 = tl.load(base[:, None] + i1[None, :] * k_sd, mask=lm, other=0)
-            kx2 = tl.load(base[:, None] + i2[None, :] * k_sd, mask=lm, other=0)
+            kx1 = _ld(base[:, None] + i1[None, :] * k_sd, lm, CACHE_HINTS)
+            kx2 = _ld(base[:, None] + i2[None, :] * k_sd, lm, CACHE_HINTS)
             if PASS_K:
                 d = 2 * half + tl.arange(0, BLOCK_PK)
                 pl = live & hm[:, None] & (d < head_size_k)[None, :]
-                pbits = tl.load(base[:, None] + d[None, :] * k_sd, mask=pl, other=0)
+                pbits = _ld(base[:, None] + d[None, :] * k_sd, pl, CACHE_HINTS)
             dv = tl.arange(0, BLOCK_DV)
             vl = live & hm[:, None] & (dv < head_size_v)[None, :]
-            vbits = tl.load(v_ptr + t * v_st + h[:, None] * v_sh + dv[None, :] * v_sd, mask=vl,
-                            other=0)
+            vbits = _ld(v_ptr + t * v_st + h[:, None] * v_sh + dv[None, :] * v_sd, vl,
+                        CACHE_HINTS)
             if MODE == 0:
-                sk = 1.0
-                sv = 1.0
+                sk = tl.full((BLOCK_HK, 1), 1.0, tl.float32)
+                sv = tl.full((BLOCK_HK, 1), 1.0, tl.float32)
+                kp2 = True
+                vp2 = True
             else:
-                sk = tl.load(ks_ptr + h * ks_sh, mask=hm, other=1.0)[:, None]
-                sv = tl.load(vs_ptr + h * vs_sh, mask=hm, other=1.0)[:, None]
+                skh = tl.load(ks_ptr + h * ks_sh, mask=hm, other=1.0)
+                svh = tl.load(vs_ptr + h * vs_sh, mask=hm, other=1.0)
+                kp2 = _scales_are_pow2(skh)
+                vp2 = _scales_are_pow2(svh)
+                sk = skh[:, None]
+                sv = svh[:, None]
             kpos = tl.load(pos_ptr + t * pos_st)
-            kc = _load_f32(cs_ptr + kpos * cs_sp + j * cs_sd, jm, CS_KIND)
-            ks = _load_f32(cs_ptr + kpos * cs_sp + (j + half) * cs_sd, jm, CS_KIND)
+            kc = _load_f32(cs_ptr + kpos * cs_sp + j * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
+            ks = _load_f32(cs_ptr + kpos * cs_sp + (j + half) * cs_sd, jm, CS_KIND,
+                           2 * CACHE_HINTS)
             b1, b2 = _rotate_pairs(kx1, kx2, kc[None, :], ks[None, :], IN_KIND)
             # every load before the first store (see scatter_kv_tiled_kernel)
             ok = (slot >= 0) & (slot < num_slots)
@@ -430,140 +476,27 @@ def rope_kv_kernel(
             kdst = (kc_ptr + blk * kc_sb + (off // K_XO) * kc_so_hi + (off % K_XO) * kc_so_lo
                     + h * kc_sh)
             _store_as(kdst[:, None] + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, :],
-                      b1, sk, m, IN_KIND, MODE, HW_CVT)
+                      b1, sk, kp2, m, IN_KIND, MODE, HW_CVT)
             _store_as(kdst[:, None] + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, :],
-                      b2, sk, m, IN_KIND, MODE, HW_CVT)
+                      b2, sk, kp2, m, IN_KIND, MODE, HW_CVT)
             if PASS_K:
                 _store_as(kdst[:, None] + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, :],
-                          pbits, sk, ok & pl, IN_KIND, MODE, HW_CVT)
+                          pbits, sk, kp2, ok & pl, IN_KIND, MODE, HW_CVT)
             vdst = (vc_ptr + blk * vc_sb + (off // V_XO) * vc_so_hi + (off % V_XO) * vc_so_lo
                     + h * vc_sh)
             _store_as(vdst[:, None] + ((dv // V_XD) * vc_sd_hi + (dv % V_XD) * vc_sd_lo)[None, :],
-                      vbits, sv, ok & vl, IN_KIND, MODE, HW_CVT)
+                      vbits, sv, vp2, ok & vl, IN_KIND, MODE, HW_CVT)
         else:
             m = hm[:, None] & jm[None, :]
             kx1 = tl.load(base[:, None] + i1[None, :] * k_sd, mask=m, other=0)
             kx2 = tl.load(base[:, None] + i2[None, :] * k_sd, mask=m, other=0)
             kpos = tl.load(pos_ptr + t * pos_st)
-            kc = _load_f32(cs_ptr + kpos * cs_sp + j * cs_sd, jm, CS_KIND)
-            ks = _load_f32(cs_ptr + kpos * cs_sp + (j + half) * cs_sd, jm, CS_KIND)
+            kc = _load_f32(cs_ptr + kpos * cs_sp + j * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
+            ks = _load_f32(cs_ptr + kpos * cs_sp + (j + half) * cs_sd, jm, CS_KIND,
+                           2 * CACHE_HINTS)
             b1, b2 = _rotate_pairs(kx1, kx2, kc[None, :], ks[None, :], IN_KIND)
             tl.store(base[:, None] + i1[None, :] * k_sd, b1, mask=m)
             tl.store(base[:, None] + i2[None, :] * k_sd, b2, mask=m)
-
-
-@jit_token_count("num_write", "num_rows")
-def rope_kv_tiled_kernel(
-    pos_ptr: tl.tensor, pos_st: tl.tensor,
-    cs_ptr: tl.tensor, cs_sp: tl.tensor, cs_sd: tl.tensor, half: tl.tensor,
-    q_ptr: tl.tensor, q_st: tl.tensor, q_sh: tl.tensor, q_sd: tl.tensor,
-    num_q_heads: tl.tensor, q_groups: tl.tensor,
-    k_ptr: tl.tensor, k_st: tl.tensor, k_sh: tl.tensor, k_sd: tl.tensor,
-    num_kv_heads: tl.tensor, head_size_k: tl.tensor,
-    slot_ptr: tl.tensor, slot_st: tl.tensor, num_write: tl.tensor,
-    v_ptr: tl.tensor, v_st: tl.tensor, v_sh: tl.tensor, v_sd: tl.tensor, head_size_v: tl.tensor,
-    kc_ptr: tl.tensor, kc_sb: tl.tensor, kc_so_hi: tl.tensor, kc_so_lo: tl.tensor, kc_sh: tl.tensor,
-    kc_sd_hi: tl.tensor, kc_sd_lo: tl.tensor,
-    vc_ptr: tl.tensor, vc_sb: tl.tensor, vc_so_hi: tl.tensor, vc_so_lo: tl.tensor, vc_sh: tl.tensor,
-    vc_sd_hi: tl.tensor, vc_sd_lo: tl.tensor,
-    ks_ptr: tl.tensor, ks_sh: tl.tensor, vs_ptr: tl.tensor, vs_sh: tl.tensor,
-    block_size: tl.tensor, num_slots: tl.tensor, num_rows: tl.tensor,
-    IN_KIND: tl.constexpr, CS_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr,
-    NEOX: tl.constexpr, WRITE: tl.constexpr, PASS_K: tl.constexpr,
-    K_XO: tl.constexpr, K_XD: tl.constexpr, V_XO: tl.constexpr, V_XD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_PK: tl.constexpr, BLOCK_DV: tl.constexpr,
-) -> None:
-    """:func:`rope_kv_kernel` with ``BLOCK_T`` tokens per program (rows from
-    ``num_rows`` on are masked): the same rotation, element for element, and the same
-    stores. Opt-in (``VLLM_KV_ROPE_TILED=1``) until measured and checked on a GPU."""
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    g = tl.program_id(1)
-    tm = t < num_rows
-    j = tl.arange(0, BLOCK_R)
-    jm = j < half
-    cm = tm[:, None] & jm[None, :]
-    if NEOX:
-        i1 = j
-        i2 = j + half
-    else:
-        i1 = 2 * j
-        i2 = 2 * j + 1
-    # issue order as in rope_kv_kernel: rows and slots first, then positions -> cos/sin
-    if g < q_groups:
-        hq = (g * BLOCK_HQ + tl.arange(0, BLOCK_HQ)).to(tl.int64)
-        mq = tm[:, None, None] & (hq < num_q_heads)[None, :, None] & jm[None, None, :]
-        qrow = q_ptr + t[:, None] * q_st + hq[None, :] * q_sh
-        qx1 = tl.load(qrow[:, :, None] + i1[None, None, :] * q_sd, mask=mq, other=0)
-        qx2 = tl.load(qrow[:, :, None] + i2[None, None, :] * q_sd, mask=mq, other=0)
-        qpos = tl.load(pos_ptr + t * pos_st, mask=tm, other=0)
-        qc = _load_f32(cs_ptr + qpos[:, None] * cs_sp + j[None, :] * cs_sd, cm, CS_KIND)
-        qs = _load_f32(cs_ptr + qpos[:, None] * cs_sp + (j + half)[None, :] * cs_sd, cm, CS_KIND)
-        q1, q2 = _rotate_pairs(qx1, qx2, qc[:, None, :], qs[:, None, :], IN_KIND)
-        tl.store(qrow[:, :, None] + i1[None, None, :] * q_sd, q1, mask=mq)
-        tl.store(qrow[:, :, None] + i2[None, None, :] * q_sd, q2, mask=mq)
-    else:
-        h = ((g - q_groups) * BLOCK_HK + tl.arange(0, BLOCK_HK)).to(tl.int64)
-        hm = h < num_kv_heads
-        base = k_ptr + t[:, None] * k_st + h[None, :] * k_sh
-        if WRITE:
-            live = tm & (t < num_write)
-            slot = tl.load(slot_ptr + t * slot_st, mask=live, other=-1)
-            lh = live[:, None] & hm[None, :]
-            lm = lh[:, :, None] & jm[None, None, :]
-            kx1 = tl.load(base[:, :, None] + i1[None, None, :] * k_sd, mask=lm, other=0)
-            kx2 = tl.load(base[:, :, None] + i2[None, None, :] * k_sd, mask=lm, other=0)
-            if PASS_K:
-                d = 2 * half + tl.arange(0, BLOCK_PK)
-                pl = lh[:, :, None] & (d < head_size_k)[None, None, :]
-                pbits = tl.load(base[:, :, None] + d[None, None, :] * k_sd, mask=pl, other=0)
-            dv = tl.arange(0, BLOCK_DV)
-            vl = lh[:, :, None] & (dv < head_size_v)[None, None, :]
-            vbits = tl.load(v_ptr + t[:, None, None] * v_st + h[None, :, None] * v_sh
-                            + dv[None, None, :] * v_sd, mask=vl, other=0)
-            if MODE == 0:
-                sk = 1.0
-                sv = 1.0
-            else:
-                sk = tl.load(ks_ptr + h * ks_sh, mask=hm, other=1.0)[None, :, None]
-                sv = tl.load(vs_ptr + h * vs_sh, mask=hm, other=1.0)[None, :, None]
-            kpos = tl.load(pos_ptr + t * pos_st, mask=tm, other=0)
-            kc = _load_f32(cs_ptr + kpos[:, None] * cs_sp + j[None, :] * cs_sd, cm, CS_KIND)
-            ks = _load_f32(cs_ptr + kpos[:, None] * cs_sp + (j + half)[None, :] * cs_sd, cm,
-                           CS_KIND)
-            b1, b2 = _rotate_pairs(kx1, kx2, kc[:, None, :], ks[:, None, :], IN_KIND)
-            # every load before the first store (see scatter_kv_tiled_kernel)
-            ok = ((slot >= 0) & (slot < num_slots))[:, None, None]
-            blk = slot // block_size
-            off = slot % block_size
-            kdst = (kc_ptr + (blk * kc_sb + (off // K_XO) * kc_so_hi
-                              + (off % K_XO) * kc_so_lo)[:, None] + h[None, :] * kc_sh)
-            _store_as(kdst[:, :, None]
-                      + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, None, :],
-                      b1, sk, ok & lm, IN_KIND, MODE, HW_CVT)
-            _store_as(kdst[:, :, None]
-                      + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, None, :],
-                      b2, sk, ok & lm, IN_KIND, MODE, HW_CVT)
-            if PASS_K:
-                _store_as(kdst[:, :, None]
-                          + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, None, :],
-                          pbits, sk, ok & pl, IN_KIND, MODE, HW_CVT)
-            vdst = (vc_ptr + (blk * vc_sb + (off // V_XO) * vc_so_hi
-                              + (off % V_XO) * vc_so_lo)[:, None] + h[None, :] * vc_sh)
-            _store_as(vdst[:, :, None]
-                      + ((dv // V_XD) * vc_sd_hi + (dv % V_XD) * vc_sd_lo)[None, None, :],
-                      vbits, sv, ok & vl, IN_KIND, MODE, HW_CVT)
-        else:
-            m = tm[:, None, None] & hm[None, :, None] & jm[None, None, :]
-            kx1 = tl.load(base[:, :, None] + i1[None, None, :] * k_sd, mask=m, other=0)
-            kx2 = tl.load(base[:, :, None] + i2[None, None, :] * k_sd, mask=m, other=0)
-            kpos = tl.load(pos_ptr + t * pos_st, mask=tm, other=0)
-            kc = _load_f32(cs_ptr + kpos[:, None] * cs_sp + j[None, :] * cs_sd, cm, CS_KIND)
-            ks = _load_f32(cs_ptr + kpos[:, None] * cs_sp + (j + half)[None, :] * cs_sd, cm,
-                           CS_KIND)
-            b1, b2 = _rotate_pairs(kx1, kx2, kc[:, None, :], ks[:, None, :], IN_KIND)
-            tl.store(base[:, :, None] + i1[None, None, :] * k_sd, b1, mask=m)
-            tl.store(base[:, :, None] + i2[None, None, :] * k_sd, b2, mask=m)
 
 
 # -- the token-major scatter, tiled ---------------------------------------------------------
@@ -675,8 +608,13 @@ def _tile_store(
     if MODE == 0:
         tl.store(dst, bits, mask=store_mask)
     else:
-        y = _div_by_scale(_widen(bits, IN_KIND), s, FAST_DIV)
-        tl.store(dst, _fp8_store_bits(y, MODE, HW_CVT, not FAST_DIV), mask=store_mask)
+        x = _widen(bits, IN_KIND)
+        if _scales_are_pow2(s):  # one multiply an element (scale 1.0, for one)
+            r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+            q = _fp8_store_bits(x * r[None, :, None], MODE, HW_CVT, False)
+        else:
+            q = _fp8_store_bits(_div_by_scale(x, s, FAST_DIV), MODE, HW_CVT, not FAST_DIV)
+        tl.store(dst, q, mask=store_mask)
 
 
 @jit_token_count("num_tokens")
