@@ -351,13 +351,14 @@ def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, s_pow2: tl.tensor,
     if MODE == 0:
         tl.store(dst, bits, mask=mask)
     else:
+        # each branch stores (no value leaves the runtime if: a yielded tile at 8 warps
+        # stored other bytes on the H200, Triton 3.6)
         x = _widen(bits, IN_KIND)
         if s_pow2:
-            q = _fp8_store_bits(x * tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s), MODE,
-                                HW_CVT, False)
+            r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+            tl.store(dst, _fp8_store_bits(x * r, MODE, HW_CVT, False), mask=mask)
         else:
-            q = _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT)
-        tl.store(dst, q, mask=mask)
+            tl.store(dst, _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT), mask=mask)
 
 
 @jit
@@ -611,10 +612,11 @@ def _tile_store(
         x = _widen(bits, IN_KIND)
         if _scales_are_pow2(s):  # one multiply an element (scale 1.0, for one)
             r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-            q = _fp8_store_bits(x * r[None, :, None], MODE, HW_CVT, False)
-        else:
-            q = _fp8_store_bits(_div_by_scale(x, s, FAST_DIV), MODE, HW_CVT, not FAST_DIV)
-        tl.store(dst, q, mask=store_mask)
+            tl.store(dst, _fp8_store_bits(x * r[None, :, None], MODE, HW_CVT, False),
+                     mask=store_mask)
+        else:  # each branch stores (see _store_as)
+            tl.store(dst, _fp8_store_bits(_div_by_scale(x, s, FAST_DIV), MODE, HW_CVT,
+                                          not FAST_DIV), mask=store_mask)
 
 
 @jit_token_count("num_tokens")
