@@ -163,6 +163,8 @@ def record_writers() -> list:
             if mode:
                 add(f"tiled-{cdt}-T{n}-hwcvt", launch, HW_CVT=True)
                 add(f"tiled-{cdt}-T{n}-hwcvt-fastdiv", launch, HW_CVT=True, FAST_DIV=True)
+                add(f"tiled-{cdt}-T{n}-hwcvt-fastdiv-onescale", launch, HW_CVT=True,
+                    FAST_DIV=True, SCALAR_S=True)
         for neox in (True, False):
             launch = tw.rope_kv_launch(q, key, key, kt, vt, slots, slots, table, neox, mode,
                                        scale, scale)

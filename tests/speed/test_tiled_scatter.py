@@ -117,3 +117,30 @@ def test_kernel_choice() -> None:
     assert tw.tokens_per_program(65536, 512, scaled=True) == 8  # MLA latent fp8
     assert tw.tokens_per_program(65536, 64) == 16
     assert not tw.hardware_fp8(torch.device("cpu"))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_scalar_scale_every_bf16_pattern(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One scale for every head (``SCALAR_S``): every bf16 bit pattern against powers of
+    two (multiplied by the reciprocal), their out-of-range neighbours and other scales
+    (divided), byte for byte with the reference. A quotient multiplied where it must be
+    divided rounds differently for some inputs at 7.0 (the GPU test does every scale of
+    ``tests/writers/test_writers_gpu.py``)."""
+    monkeypatch.setattr(tw, "TILED_MIN_TOKENS", 1)  # several tokens per program: faster here
+    cache_dtype = "fp8_e4m3"
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).view(-1, 4, 128)
+    value = x.flip(0).contiguous()
+    n = x.shape[0]
+    g = torch.Generator().manual_seed(5)
+    for scale in (1.0, 2.0**-126, 2.0**127, 7.0):
+        slots = torch.randperm(n + 8, generator=g)[:n]
+        storage = FP8[cache_dtype]
+        got = torch.zeros(-(-(n + 8) // 8), 2, 8, 4, 128, dtype=storage)
+        want = got.clone()
+        quant = KVQuant(cache_dtype, torch.tensor([scale]), torch.tensor([scale]))  # type: ignore[arg-type]
+        SplitKVCacheWriter(L.SPLIT_NHD).write(x, value, got, slots, quant, path="triton")
+        reference_write(L.SPLIT_NHD, x, value, want, slots, quant)
+        diff = (raw(got) != raw(want)).nonzero()
+        assert diff.numel() == 0, f"scale {scale}: {diff.shape[0]} byte(s) differ"

@@ -189,14 +189,19 @@ def _division_scales(gen: torch.Generator) -> list[float]:
 
 
 @needs_triton
+@pytest.mark.parametrize("scales_per", ["head", "tensor"])
 @pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("in_dtype", ["bf16", "fp16", "fp32"])
 def test_fast_division_is_byte_identical_exhaustively(in_dtype: str, cache_dtype: str,
+                                                      scales_per: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiled kernel's FAST_DIV (one reciprocal per head plus a Markstein FMA
-    correction) stores exactly the bytes of the torch reference computed on the CPU:
-    every bf16 / fp16 bit pattern (and 2**20 random fp32 patterns, specials included)
-    against 75 scales per head (8 of them in two all-power-of-two chunks); with FAST_DIV off too (the IEEE division per element)."""
+    """The tiled kernel's quantiser (a multiply by the reciprocal when every scale is a
+    power of two; else FAST_DIV: one reciprocal per head plus a Markstein FMA
+    correction; or, with FAST_DIV off, the IEEE division per element) stores exactly
+    the bytes of the torch reference computed on the CPU: every bf16 / fp16 bit pattern
+    (and 2**20 random fp32 patterns, specials included) against 75 scales, four heads
+    at a time (8 of them in two all-power-of-two chunks) or one ``[1]`` scale at a time
+    (``SCALAR_S``)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{in_dtype}{cache_dtype}".encode()))
     heads = 4
     if in_dtype == "fp32":
@@ -212,8 +217,9 @@ def test_fast_division_is_byte_identical_exhaustively(in_dtype: str, cache_dtype
     for fast in ("1", "0"):
         monkeypatch.setenv("VLLM_KV_FAST_DIV", fast)
         w = SplitKVCacheWriter(L.SPLIT_NHD)
-        for i in range(0, len(scales), heads):
-            chunk = (scales[i:i + heads] + scales[:heads])[:heads]
+        step = heads if scales_per == "head" else 1
+        for i in range(0, len(scales), step):
+            chunk = (scales[i:i + step] + scales[:step])[:step]
             ks = torch.tensor(chunk, dtype=torch.float32)
             vs = ks.flip(0).contiguous()
             slots = torch.randperm(n + 16, generator=gen)[:n]

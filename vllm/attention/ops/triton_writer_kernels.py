@@ -330,16 +330,21 @@ def _to_input_bits(y: tl.tensor, IN_KIND: tl.constexpr) -> tl.tensor:
 
 
 @jit
+def _not_pow2(s: tl.tensor) -> tl.tensor:
+    """Elementwise: ``s`` is not ``+-2**k`` with k in [-126, 126] (see :func:`_scales_are_pow2`)."""
+    b = s.to(tl.uint32, bitcast=True)
+    e = (b >> 23) & 0xFF
+    return ((b & 0x7FFFFF) != 0) | (e < 1) | (e > 253)
+
+
+@jit
 def _scales_are_pow2(s: tl.tensor) -> tl.tensor:
     """True when every scale of ``s`` [N] is ``+-2**k``, k in [-126, 126] (a normal float32
     whose reciprocal is a normal float32, exactly). Then ``x * (1 / s)`` is the same real
     number as ``x / s`` and float32 multiplication rounds it as division does (overflow,
     underflow, signed zeros and NaN included): one multiply an element instead of an
     IEEE division. Scale 1.0 (no calibration) is such a scale."""
-    b = s.to(tl.uint32, bitcast=True)
-    e = (b >> 23) & 0xFF
-    other = ((b & 0x7FFFFF) != 0) | (e < 1) | (e > 253)
-    return tl.reduce(other.to(tl.int32), 0, _max) == 0
+    return tl.reduce(_not_pow2(s).to(tl.int32), 0, _max) == 0
 
 
 @jit
@@ -574,10 +579,11 @@ def _tile_load(
     t: tl.tensor, tm: tl.tensor, pid_h: tl.tensor,
     x_ptr: tl.tensor, x_st: tl.tensor, x_sh: tl.tensor, x_sd: tl.tensor,
     s_ptr: tl.tensor, s_sh: tl.tensor, num_heads: tl.tensor, head_size: tl.tensor,
-    MODE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-) -> tuple[tl.tensor, tl.tensor]:
-    """Input bits ``[BLOCK_T, BLOCK_H, D]`` of one operand and its per-head scales (ones
-    for MODE 0, not loaded)."""
+    MODE: tl.constexpr, SCALAR_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Input bits ``[BLOCK_T, BLOCK_H, D]`` of one operand, its per-head scales (ones for
+    MODE 0, not loaded) and whether they are all powers of two (:func:`_scales_are_pow2`).
+    SCALAR_S: one scale for every head (a ``[1]`` scale), tested once, no reduction."""
     h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     hm = h < num_heads
@@ -587,9 +593,15 @@ def _tile_load(
     bits = tl.load(src, mask=load_mask, other=0)
     if MODE == 0:
         s = tl.full((BLOCK_H,), 1.0, tl.float32)
+        p2 = True  # not read
+    elif SCALAR_S:
+        s0 = tl.load(s_ptr)
+        s = tl.broadcast_to(s0, (BLOCK_H,))
+        p2 = _not_pow2(s0) == 0
     else:
         s = tl.load(s_ptr + h * s_sh, mask=hm, other=1.0)
-    return bits, s
+        p2 = _scales_are_pow2(s)
+    return bits, s, p2
 
 
 @jit
@@ -597,11 +609,12 @@ def _tile_store(
     bits: tl.tensor, s: tl.tensor, ok: tl.tensor, row: tl.tensor, pid_h: tl.tensor,
     c_ptr: tl.tensor, c_sh: tl.tensor, c_sd: tl.tensor, num_heads: tl.tensor,
     head_size: tl.tensor,
+    s_pow2: tl.tensor,
     IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ) -> None:
     """Store :func:`_tile_load`'s rows; ``row`` ``[BLOCK_T]`` is each token's element offset
-    of ``(slot, head 0, dim 0)`` in the cache operand."""
+    of ``(slot, head 0, dim 0)`` in the cache operand; ``s_pow2`` from :func:`_tile_load`."""
     h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     store_mask = ok[:, None, None] & (h < num_heads)[None, :, None] & (d < head_size)[None, None, :]
@@ -610,7 +623,7 @@ def _tile_store(
         tl.store(dst, bits, mask=store_mask)
     else:
         x = _widen(bits, IN_KIND)
-        if _scales_are_pow2(s):  # one multiply an element (scale 1.0, for one)
+        if s_pow2:  # one multiply an element (scale 1.0, for one)
             r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
             tl.store(dst, _fp8_store_bits(x * r[None, :, None], MODE, HW_CVT, False),
                      mask=store_mask)
@@ -631,7 +644,7 @@ def scatter_kv_tiled_kernel(
     head_size_k: tl.tensor, head_size_v: tl.tensor,
     IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, SCALAR_S: tl.constexpr,
 ) -> None:
     """One program per (BLOCK_T tokens, group of BLOCK_H heads) of a token-major cache
     (element ``(slot, h, d)`` at ``blk*sb + off*so + h*sh + d*sd``). MODE as
@@ -644,13 +657,13 @@ def scatter_kv_tiled_kernel(
     # Every load before the first store: the stores may alias the inputs as far as the
     # compiler knows, so loads placed after a store would wait for it (one more memory
     # round trip on the latency-bound small writes).
-    kb, ks = _tile_load(t, tm, pid_h, k_ptr, k_st, k_sh, k_sd, ks_ptr, ks_sh, num_heads,
-                        head_size_k, MODE, BLOCK_H, BLOCK_DK)
-    vb, vs = _tile_load(t, tm, pid_h, v_ptr, v_st, v_sh, v_sd, vs_ptr, vs_sh, num_heads,
-                        head_size_v, MODE, BLOCK_H, BLOCK_DV)
+    kb, ks, kp2 = _tile_load(t, tm, pid_h, k_ptr, k_st, k_sh, k_sd, ks_ptr, ks_sh, num_heads,
+                             head_size_k, MODE, SCALAR_S, BLOCK_H, BLOCK_DK)
+    vb, vs, vp2 = _tile_load(t, tm, pid_h, v_ptr, v_st, v_sh, v_sd, vs_ptr, vs_sh, num_heads,
+                             head_size_v, MODE, SCALAR_S, BLOCK_H, BLOCK_DV)
     blk = slot // block_size
     off = slot % block_size
     _tile_store(kb, ks, ok, blk * kc_sb + off * kc_so, pid_h, kc_ptr, kc_sh, kc_sd, num_heads,
-                head_size_k, IN_KIND, MODE, HW_CVT, FAST_DIV, BLOCK_H, BLOCK_DK)
+                head_size_k, kp2, IN_KIND, MODE, HW_CVT, FAST_DIV, BLOCK_H, BLOCK_DK)
     _tile_store(vb, vs, ok, blk * vc_sb + off * vc_so, pid_h, vc_ptr, vc_sh, vc_sd, num_heads,
-                head_size_v, IN_KIND, MODE, HW_CVT, FAST_DIV, BLOCK_H, BLOCK_DV)
+                head_size_v, vp2, IN_KIND, MODE, HW_CVT, FAST_DIV, BLOCK_H, BLOCK_DV)

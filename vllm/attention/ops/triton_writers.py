@@ -200,7 +200,9 @@ def scatter_kv_launch(
              "HW_CVT": mode != 0 and hardware_fp8(k_target.tensor.device),
              "FAST_DIV": mode != 0 and fast_division(k_target.tensor.device),
              "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_DK": block_dk,
-             "BLOCK_DV": block_dv},
+             "BLOCK_DV": block_dv,
+             # one scale for every head (K and V): tested once, not per head
+             "SCALAR_S": mode != 0 and k_scale.numel() == 1 and v_scale.numel() == 1},
             roles=("slots", "key", "value", "cache", "cache", *scale_roles),
         )
     return Launch(
