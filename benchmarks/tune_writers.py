@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scales", type=float, nargs="+", default=[1.0, 0.37],
                    help="fp8 k/v scales: 1.0 (a power of two: the quantiser multiplies) and "
                         "one that is not (it divides: FAST_DIV on and off)")
+    p.add_argument("--fast-div", choices=["both", "on"], default="both",
+                   help="for a scale that is not a power of two: FAST_DIV off and on, or on")
+    p.add_argument("--no-rope", action="store_true", help="skip the fused RoPE sweep")
     p.add_argument("--iters", type=int, default=50)
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or not triton_importable():
@@ -141,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                 base.run()
                 want = setup.cache.clone()
                 pow2 = math.frexp(scale)[0] == 0.5  # FAST_DIV is not used then
-                for fast in ((None,) if not fp8 else (True,) if pow2 else (False, True)):
+                divide = (False, True) if args.fast_div == "both" else (True,)
+                for fast in ((None,) if not fp8 else (True,) if pow2 else divide):
                     for bt in args.block_t:
                         for nw in args.warps:
                             v = variant(base, n, bt, nw, fast)
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"best {best}")
                 del setup
                 torch.cuda.empty_cache()
-    rope_rows = _rope_sweep(dev, args.iters)
+    rope_rows = [] if args.no_rope else _rope_sweep(dev, args.iters)
     bad += sum(not r["bytes_equal"] for r in rope_rows)
     rows += rope_rows
     args.out.mkdir(parents=True, exist_ok=True)
