@@ -379,6 +379,21 @@ def _rotate_pairs(
     return _to_input_bits(o1, IN_KIND), _to_input_bits(o2, IN_KIND)
 
 
+@jit
+def _rotate_at(
+    x1: tl.tensor, x2: tl.tensor, pos_ptr: tl.tensor, cs_ptr: tl.tensor, cs_sp: tl.tensor,
+    cs_sd: tl.tensor, j: tl.tensor, half: tl.tensor, jm: tl.tensor,
+    IN_KIND: tl.constexpr, CS_KIND: tl.constexpr, CACHE_HINTS: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """:func:`_rotate_pairs` of rows ``[H, BLOCK_R]`` by the cos/sin row of the position
+    at ``pos_ptr``: the position is loaded here, after the caller's row loads, so the
+    rows do not wait for it (``evict_last`` on the table with CACHE_HINTS)."""
+    pos = tl.load(pos_ptr)
+    c = _load_f32(cs_ptr + pos * cs_sp + j * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
+    s = _load_f32(cs_ptr + pos * cs_sp + (j + half) * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
+    return _rotate_pairs(x1, x2, c[None, :], s[None, :], IN_KIND)
+
+
 @jit_token_count("num_write")
 def rope_kv_kernel(
     pos_ptr: tl.tensor, pos_st: tl.tensor,
@@ -422,8 +437,8 @@ def rope_kv_kernel(
         i2 = 2 * j + 1
     # Issue order sets the latency of the small batches: the rows (and the slot) are
     # loaded first, none of them waits for another load, then the position and its
-    # cos/sin row (which waits for the position): two memory round trips before the
-    # stores, where a load masked by the slot would make it three.
+    # cos/sin row (_rotate_at; the row waits for the position): two memory round trips
+    # before the stores, where a load masked by the slot would make it three.
     # (names differ between the branches: a runtime if merges same-named values)
     if g < q_groups:
         hq = (g * BLOCK_HQ + tl.arange(0, BLOCK_HQ)).to(tl.int64)
@@ -431,11 +446,8 @@ def rope_kv_kernel(
         qrow = q_ptr + t * q_st + hq * q_sh
         qx1 = tl.load(qrow[:, None] + i1[None, :] * q_sd, mask=mq, other=0)
         qx2 = tl.load(qrow[:, None] + i2[None, :] * q_sd, mask=mq, other=0)
-        qpos = tl.load(pos_ptr + t * pos_st)
-        qc = _load_f32(cs_ptr + qpos * cs_sp + j * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
-        qs = _load_f32(cs_ptr + qpos * cs_sp + (j + half) * cs_sd, jm, CS_KIND,
-                       2 * CACHE_HINTS)
-        q1, q2 = _rotate_pairs(qx1, qx2, qc[None, :], qs[None, :], IN_KIND)
+        q1, q2 = _rotate_at(qx1, qx2, pos_ptr + t * pos_st, cs_ptr, cs_sp, cs_sd, j, half, jm,
+                            IN_KIND, CS_KIND, CACHE_HINTS)
         tl.store(qrow[:, None] + i1[None, :] * q_sd, q1, mask=mq)
         tl.store(qrow[:, None] + i2[None, :] * q_sd, q2, mask=mq)
     else:
@@ -469,11 +481,8 @@ def rope_kv_kernel(
                 vp2 = _scales_are_pow2(svh)
                 sk = skh[:, None]
                 sv = svh[:, None]
-            kpos = tl.load(pos_ptr + t * pos_st)
-            kc = _load_f32(cs_ptr + kpos * cs_sp + j * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
-            ks = _load_f32(cs_ptr + kpos * cs_sp + (j + half) * cs_sd, jm, CS_KIND,
-                           2 * CACHE_HINTS)
-            b1, b2 = _rotate_pairs(kx1, kx2, kc[None, :], ks[None, :], IN_KIND)
+            b1, b2 = _rotate_at(kx1, kx2, pos_ptr + t * pos_st, cs_ptr, cs_sp, cs_sd, j, half,
+                                jm, IN_KIND, CS_KIND, CACHE_HINTS)
             # every load before the first store (see scatter_kv_tiled_kernel)
             ok = (slot >= 0) & (slot < num_slots)
             m = ok & lm
@@ -496,11 +505,8 @@ def rope_kv_kernel(
             m = hm[:, None] & jm[None, :]
             kx1 = tl.load(base[:, None] + i1[None, :] * k_sd, mask=m, other=0)
             kx2 = tl.load(base[:, None] + i2[None, :] * k_sd, mask=m, other=0)
-            kpos = tl.load(pos_ptr + t * pos_st)
-            kc = _load_f32(cs_ptr + kpos * cs_sp + j * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
-            ks = _load_f32(cs_ptr + kpos * cs_sp + (j + half) * cs_sd, jm, CS_KIND,
-                           2 * CACHE_HINTS)
-            b1, b2 = _rotate_pairs(kx1, kx2, kc[None, :], ks[None, :], IN_KIND)
+            b1, b2 = _rotate_at(kx1, kx2, pos_ptr + t * pos_st, cs_ptr, cs_sp, cs_sd, j, half,
+                                jm, IN_KIND, CS_KIND, CACHE_HINTS)
             tl.store(base[:, None] + i1[None, :] * k_sd, b1, mask=m)
             tl.store(base[:, None] + i2[None, :] * k_sd, b2, mask=m)
 
