@@ -391,7 +391,8 @@ def _rotate_at(
     pos = tl.load(pos_ptr)
     c = _load_f32(cs_ptr + pos * cs_sp + j * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
     s = _load_f32(cs_ptr + pos * cs_sp + (j + half) * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
-    return _rotate_pairs(x1, x2, c[None, :], s[None, :], IN_KIND)
+    o1, o2 = _rotate_pairs(x1, x2, c[None, :], s[None, :], IN_KIND)
+    return o1, o2
 
 
 @jit_token_count("num_write")
