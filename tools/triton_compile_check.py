@@ -171,6 +171,8 @@ def record_writers() -> list:
             add(f"rope-{cdt}-{'neox' if neox else 'gptj'}", launch)
             if mode:
                 add(f"rope-{cdt}-{'neox' if neox else 'gptj'}-hwcvt", launch, HW_CVT=True)
+                add(f"rope-{cdt}-{'neox' if neox else 'gptj'}-hwcvt-onescale", launch,
+                    HW_CVT=True, SCALAR_S=True)
     half_table = torch.zeros(4096, 64, dtype=torch.bfloat16)  # partial rotary, bf16 table
     add("rope-partial-noq", tw.rope_kv_launch(None, key, key, kt, vt, slots, slots, half_table,
                                               True, 0, scale, scale))

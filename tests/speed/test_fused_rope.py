@@ -365,3 +365,32 @@ def test_layer_checked_mode_rejects_positions_past_the_table() -> None:
     assert info.value.argument == "positions"
     assert both.value.argument == "positions/rope"
     assert torch.equal(raw(cache), before)
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not importable: the kernel "
+                    "cannot run here")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_fused_write_scalar_scale_every_bf16_pattern() -> None:
+    """A ``[1]`` fp8 scale (``SCALAR_S``): every bf16 bit pattern as key and value rows,
+    rotated at position 0 and quantised with a power of two (multiplied), 2**127 and
+    7.0 (divided), byte for byte with rotate-then-reference-write. Multiplying by the
+    reciprocal of 7.0 instead of dividing changes some of these bytes."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    key = bits.view(torch.bfloat16).view(-1, 8, 128)
+    value = key.flip(0).contiguous()
+    n = key.shape[0]
+    rope = RoPE.build(128, 4)
+    positions = torch.zeros(n, dtype=torch.int64)
+    g = torch.Generator().manual_seed(9)
+    for scale in (0.25, 2.0**127, 7.0):
+        slots = torch.randperm(n + 16, generator=g)[:n]
+        got = torch.zeros(-(-(n + 16) // 16), 2, 16, 8, 128, dtype=torch.float8_e4m3fn)
+        want = got.clone()
+        quant = KVQuant("fp8_e4m3", torch.tensor([scale]), torch.tensor([scale]))
+        SplitKVCacheWriter(L.SPLIT_NHD).write_with_rope(None, key, value, got, slots, quant,
+                                                        positions, rope, path="triton")
+        reference_write(L.SPLIT_NHD, rotate_reference(key, positions, rope), value, want,
+                        slots, quant)
+        diff = (raw(got) != raw(want)).nonzero()
+        assert diff.numel() == 0, f"scale {scale}: {diff.shape[0]} byte(s) differ"

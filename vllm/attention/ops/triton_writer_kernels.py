@@ -416,6 +416,7 @@ def rope_kv_kernel(
     K_XO: tl.constexpr, K_XD: tl.constexpr, V_XO: tl.constexpr, V_XD: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_PK: tl.constexpr, BLOCK_DV: tl.constexpr, CACHE_HINTS: tl.constexpr,
+    SCALAR_S: tl.constexpr,
 ) -> None:
     """One program per (token, head group): rotate ``q`` in place (groups below
     ``q_groups``), or rotate ``k`` and -- with WRITE -- store it and ``v`` at the token's
@@ -425,7 +426,7 @@ def rope_kv_kernel(
     and MODE as :func:`scatter_kv_kernel`. CACHE_HINTS (1 or 0): the cos/sin rows are
     loaded ``evict_last`` and the key/value rows ``evict_first``, so that the table rows
     of this step's positions stay in L2 for the next layer's call while the rows stream
-    through."""
+    through. SCALAR_S: ``[1]`` K and V scales (as :func:`scatter_kv_tiled_kernel`)."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     j = tl.arange(0, BLOCK_R)
@@ -475,6 +476,13 @@ def rope_kv_kernel(
                 sv = tl.full((BLOCK_HK, 1), 1.0, tl.float32)
                 kp2 = True
                 vp2 = True
+            elif SCALAR_S:  # one scale for every head: tested once, no reduction
+                sk0 = tl.load(ks_ptr)
+                sv0 = tl.load(vs_ptr)
+                kp2 = _not_pow2(sk0) == 0
+                vp2 = _not_pow2(sv0) == 0
+                sk = tl.broadcast_to(sk0, (BLOCK_HK, 1))
+                sv = tl.broadcast_to(sv0, (BLOCK_HK, 1))
             else:
                 skh = tl.load(ks_ptr + h * ks_sh, mask=hm, other=1.0)
                 svh = tl.load(vs_ptr + h * vs_sh, mask=hm, other=1.0)

@@ -435,7 +435,9 @@ def _rope_launch(
         "MODE": mode, "HW_CVT": mode != 0 and hardware_fp8(key.device), "NEOX": neox,
         "WRITE": write is not None, "PASS_K": pass_k, **xsplit,
         "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_R": block_r,
-        "BLOCK_PK": block_pk, "BLOCK_DV": block_dv, "CACHE_HINTS": 1}
+        "BLOCK_PK": block_pk, "BLOCK_DV": block_dv, "CACHE_HINTS": 1,
+        "SCALAR_S": mode != 0 and write is not None and write[5].numel() == 1
+        and write[6].numel() == 1}
     roles = ("positions", "cos_sin", *q_role, "key", *w_roles)
     return Launch("rope_kv_kernel", (rows, q_groups + kv_groups), args, consts,
                   options=dict(ROPE_OPTIONS), roles=roles)
