@@ -348,6 +348,27 @@ def _scales_are_pow2(s: tl.tensor) -> tl.tensor:
 
 
 @jit
+def _load_scales(s_ptr: tl.tensor, s_sh: tl.tensor, h: tl.tensor, hm: tl.tensor,
+                 MODE: tl.constexpr, SCALAR_S: tl.constexpr,
+                 BLOCK_H: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """Heads ``h``'s fp8 scales ``[BLOCK_H]`` (ones for MODE 0, not loaded) and whether
+    they are all powers of two (:func:`_scales_are_pow2`; not meaningful for MODE 0).
+    SCALAR_S: one scale for every head (a ``[1]`` scale), loaded and tested once, no
+    cross-warp reduction."""
+    if MODE == 0:
+        s = tl.full((BLOCK_H,), 1.0, tl.float32)
+        p2 = True
+    elif SCALAR_S:
+        s0 = tl.load(s_ptr)
+        s = tl.broadcast_to(s0, (BLOCK_H,))
+        p2 = _not_pow2(s0) == 0
+    else:
+        s = tl.load(s_ptr + h * s_sh, mask=hm, other=1.0)
+        p2 = _scales_are_pow2(s)
+    return s, p2
+
+
+@jit
 def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, s_pow2: tl.tensor,
               mask: tl.tensor, IN_KIND: tl.constexpr, MODE: tl.constexpr,
               HW_CVT: tl.constexpr) -> None:
@@ -471,25 +492,10 @@ def rope_kv_kernel(
             vl = live & hm[:, None] & (dv < head_size_v)[None, :]
             vbits = _ld(v_ptr + t * v_st + h[:, None] * v_sh + dv[None, :] * v_sd, vl,
                         CACHE_HINTS)
-            if MODE == 0:
-                sk = tl.full((BLOCK_HK, 1), 1.0, tl.float32)
-                sv = tl.full((BLOCK_HK, 1), 1.0, tl.float32)
-                kp2 = True
-                vp2 = True
-            elif SCALAR_S:  # one scale for every head: tested once, no reduction
-                sk0 = tl.load(ks_ptr)
-                sv0 = tl.load(vs_ptr)
-                kp2 = _not_pow2(sk0) == 0
-                vp2 = _not_pow2(sv0) == 0
-                sk = tl.broadcast_to(sk0, (BLOCK_HK, 1))
-                sv = tl.broadcast_to(sv0, (BLOCK_HK, 1))
-            else:
-                skh = tl.load(ks_ptr + h * ks_sh, mask=hm, other=1.0)
-                svh = tl.load(vs_ptr + h * vs_sh, mask=hm, other=1.0)
-                kp2 = _scales_are_pow2(skh)
-                vp2 = _scales_are_pow2(svh)
-                sk = skh[:, None]
-                sv = svh[:, None]
+            skh, kp2 = _load_scales(ks_ptr, ks_sh, h, hm, MODE, SCALAR_S, BLOCK_HK)
+            svh, vp2 = _load_scales(vs_ptr, vs_sh, h, hm, MODE, SCALAR_S, BLOCK_HK)
+            sk = skh[:, None]
+            sv = svh[:, None]
             b1, b2 = _rotate_at(kx1, kx2, pos_ptr + t * pos_st, cs_ptr, cs_sp, cs_sd, j, half,
                                 jm, IN_KIND, CS_KIND, CACHE_HINTS)
             # every load before the first store (see scatter_kv_tiled_kernel)
@@ -532,29 +538,28 @@ def rope_kv_kernel(
 @jit
 def _fp8_store_bits(y: tl.tensor, MODE: tl.constexpr, HW_CVT: tl.constexpr,
                     CLAMP: tl.constexpr = True) -> tl.tensor:
-    """float32 ``y`` (already divided by its scale) to the fp8 byte the reference stores.
+    """float32 ``y`` (already divided by its scale) to the fp8 byte the reference stores
+    (MODE 1 E4M3, 2 E5M2).
 
     The reference clamps to the format's largest finite value, then rounds. The hardware
     conversion (``cvt.rn.satfinite``) saturates by itself: every value beyond the largest
     finite one, infinities included, becomes it (NaN is handled apart), so with
     ``CLAMP=False`` the clamp is left out on that path (two min/max and a NaN select an
-    element fewer; with FAST_DIV, until checked on a GPU)."""
-    if MODE == 1:
-        if HW_CVT:
-            c = _clamp_keep_nan(y, -448.0, 448.0) if CLAMP else y
-            q = tl.where(y != y, 0x7F,
-                         c.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8,
-                                                                             bitcast=True))
+    element fewer; the exhaustive GPU byte test runs that path)."""
+    LIM: tl.constexpr = 448.0 if MODE == 1 else 57344.0
+    if HW_CVT:
+        c = _clamp_keep_nan(y, -LIM, LIM) if CLAMP else y
+        nan = y != y
+        if MODE == 1:
+            q = tl.where(nan, 0x7F, c.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(
+                tl.uint8, bitcast=True))
         else:
-            q = _fp8_bits(_clamp_keep_nan(y, -448.0, 448.0), 3, 7)
+            q = tl.where(nan, 0x7F, c.to(tl.float8e5, fp_downcast_rounding="rtne").to(
+                tl.uint8, bitcast=True))
+    elif MODE == 1:
+        q = _fp8_bits(_clamp_keep_nan(y, -LIM, LIM), 3, 7)
     else:
-        if HW_CVT:
-            c = _clamp_keep_nan(y, -57344.0, 57344.0) if CLAMP else y
-            q = tl.where(y != y, 0x7F,
-                         c.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8,
-                                                                           bitcast=True))
-        else:
-            q = _fp8_bits(_clamp_keep_nan(y, -57344.0, 57344.0), 2, 15)
+        q = _fp8_bits(_clamp_keep_nan(y, -LIM, LIM), 2, 15)
     return q.to(tl.uint8)
 
 
@@ -606,16 +611,7 @@ def _tile_load(
     src = (x_ptr + t[:, None, None] * x_st + h[None, :, None] * x_sh
            + d[None, None, :] * x_sd)
     bits = tl.load(src, mask=load_mask, other=0)
-    if MODE == 0:
-        s = tl.full((BLOCK_H,), 1.0, tl.float32)
-        p2 = True  # not read
-    elif SCALAR_S:
-        s0 = tl.load(s_ptr)
-        s = tl.broadcast_to(s0, (BLOCK_H,))
-        p2 = _not_pow2(s0) == 0
-    else:
-        s = tl.load(s_ptr + h * s_sh, mask=hm, other=1.0)
-        p2 = _scales_are_pow2(s)
+    s, p2 = _load_scales(s_ptr, s_sh, h, hm, MODE, SCALAR_S, BLOCK_H)
     return bits, s, p2
 
 
