@@ -163,6 +163,12 @@ class Launch:
         return result
 
 
+def _one_scale(mode: int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
+    """``SCALAR_S`` of the fp8 kernels: one K and one V scale for every head (``[1]``),
+    loaded and tested once per program instead of per head."""
+    return mode != 0 and k_scale.numel() == 1 and v_scale.numel() == 1
+
+
 def scatter_kv_launch(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -200,9 +206,7 @@ def scatter_kv_launch(
              "HW_CVT": mode != 0 and hardware_fp8(k_target.tensor.device),
              "FAST_DIV": mode != 0 and fast_division(k_target.tensor.device),
              "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_DK": block_dk,
-             "BLOCK_DV": block_dv,
-             # one scale for every head (K and V): tested once, not per head
-             "SCALAR_S": mode != 0 and k_scale.numel() == 1 and v_scale.numel() == 1},
+             "BLOCK_DV": block_dv, "SCALAR_S": _one_scale(mode, k_scale, v_scale)},
             roles=("slots", "key", "value", "cache", "cache", *scale_roles),
         )
     return Launch(
@@ -404,8 +408,10 @@ def _rope_launch(
             _bits(key), 0, 0, *_rows(key)[:4], 0, *k_t, *k_t, _bits(key), 0, _bits(key), 0, 1, 0)
         w_roles: tuple[str, ...] = ("key",) * 6
         xsplit = {"K_XO": 1, "K_XD": 1, "V_XO": 1, "V_XD": 1}
+        scalar_s = False
     else:
         value, k_target, v_target, slot_mapping, mode, k_scale, v_scale = write
+        scalar_s = _one_scale(mode, k_scale, v_scale)
         scale_roles = ("k_scale", "v_scale")
         if mode == 0:  # unscaled: the scale pointers are never read; keep them on the device
             k_scale = v_scale = slot_mapping
@@ -436,8 +442,7 @@ def _rope_launch(
         "WRITE": write is not None, "PASS_K": pass_k, **xsplit,
         "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_R": block_r,
         "BLOCK_PK": block_pk, "BLOCK_DV": block_dv, "CACHE_HINTS": 1,
-        "SCALAR_S": mode != 0 and write is not None and write[5].numel() == 1
-        and write[6].numel() == 1}
+        "SCALAR_S": scalar_s}
     roles = ("positions", "cos_sin", *q_role, "key", *w_roles)
     return Launch("rope_kv_kernel", (rows, q_groups + kv_groups), args, consts,
                   options=dict(ROPE_OPTIONS), roles=roles)
