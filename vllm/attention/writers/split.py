@@ -106,10 +106,7 @@ class SplitKVCacheWriter(WriterBase):
         sig = write_signature(key, value, kv_cache, slot_mapping, quant, path)
         run = self._runners.get(sig)
         if run is None:
-            cache = check_cache_tensor(kv_cache)
-            k_view, v_view = split_kv_views(cache, self.layout)
-            validate_kv_views(key, value, k_view, v_view, slot_mapping, quant,
-                              self.cache_dtypes)
+            cache = self._checked(key, value, kv_cache, slot_mapping, quant)
             run = split_runner(self.layout, quant.kv_cache_dtype,
                                resolve_path(cache.device, path))
             self._runners.put(sig, run)
@@ -125,10 +122,7 @@ class SplitKVCacheWriter(WriterBase):
                              query, positions, rope)
         run = self._runners.get(sig)
         if run is None:
-            cache = check_cache_tensor(kv_cache)
-            k_view, v_view = split_kv_views(cache, self.layout)
-            validate_kv_views(key, value, k_view, v_view, slot_mapping, quant,
-                              self.cache_dtypes)
+            cache = self._checked(key, value, kv_cache, slot_mapping, quant)
             check_rope_inputs(query, key, slot_mapping, positions, rope, cache.device)
             layout = self.layout
             run = rope_runner(lambda c: split_kv_views(c, layout), quant.kv_cache_dtype,
@@ -136,6 +130,14 @@ class SplitKVCacheWriter(WriterBase):
             self._runners.put(sig, run)
         run((key, value, kv_cache, slot_mapping, quant.k_scale, quant.v_scale,
              key if query is None else query, positions, rope.cos_sin_cache))
+
+    def _checked(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, quant: KVQuant) -> torch.Tensor:
+        """Every check of a write's arguments (a new signature); returns the cache."""
+        cache = check_cache_tensor(kv_cache)
+        k_view, v_view = split_kv_views(cache, self.layout)
+        validate_kv_views(key, value, k_view, v_view, slot_mapping, quant, self.cache_dtypes)
+        return cache
 
     def clear_launch_cache(self) -> None:
         """Forget every validated signature (the next call of each is checked again)."""
