@@ -165,6 +165,8 @@ def record_writers() -> list:
                 add(f"tiled-{cdt}-T{n}-hwcvt-fastdiv", launch, HW_CVT=True, FAST_DIV=True)
                 add(f"tiled-{cdt}-T{n}-hwcvt-fastdiv-onescale", launch, HW_CVT=True,
                     FAST_DIV=True, SCALAR_S=True)
+                add(f"tiled-{cdt}-T{n}-hwcvt-fastdiv-hwnan", launch, HW_CVT=True,
+                    FAST_DIV=True, HW_NAN=True)
         for neox in (True, False):
             launch = tw.rope_kv_launch(q, key, key, kt, vt, slots, slots, table, neox, mode,
                                        scale, scale)
@@ -173,6 +175,8 @@ def record_writers() -> list:
                 add(f"rope-{cdt}-{'neox' if neox else 'gptj'}-hwcvt", launch, HW_CVT=True)
                 add(f"rope-{cdt}-{'neox' if neox else 'gptj'}-hwcvt-onescale", launch,
                     HW_CVT=True, SCALAR_S=True)
+                add(f"rope-{cdt}-{'neox' if neox else 'gptj'}-hwcvt-fastdiv-hwnan", launch,
+                    HW_CVT=True, FAST_DIV=True, HW_NAN=True)
     half_table = torch.zeros(4096, 64, dtype=torch.bfloat16)  # partial rotary, bf16 table
     add("rope-partial-noq", tw.rope_kv_launch(None, key, key, kt, vt, slots, slots, half_table,
                                               True, 0, scale, scale))
@@ -194,7 +198,8 @@ def record_writers() -> list:
 
 def _ptx_problem(name: str, consts: dict[str, Any], ptx: str) -> str | None:
     """What must hold in the PTX of a writer launch (None when it does)."""
-    if name.startswith("rope") and re.search(r"\bfma\.", ptx):
+    if name.startswith("rope") and not consts.get("FAST_DIV") and re.search(r"\bfma\.", ptx):
+        # (FAST_DIV's quotient is the only FMA; without it the rotation must have none)
         return "an FMA in a RoPE kernel (products and sums must round one by one)"
     if consts.get("HW_CVT") and "cvt.rn.satfinite" not in ptx:
         return "HW_CVT without a cvt.rn.satfinite conversion"

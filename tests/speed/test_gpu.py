@@ -9,6 +9,7 @@ Marked ``gpu`` (skipped with the reason without CUDA). Launch cost is measured b
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import pytest
@@ -99,6 +100,43 @@ def test_fused_rope_cuda_equals_rotate_then_write(style: str, cache_dtype: str, 
         assert torch.equal(raw(cache), raw(want))
         assert torch.equal(q_got.view(torch.int16),
                            rotate_reference(q, positions, rope).view(torch.int16))
+
+
+@pytest.mark.parametrize("scales_per", ["head", "tensor"])
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fused_rope_cuda_every_bf16_pattern(cache_dtype: str, scales_per: str) -> None:
+    """The fused RoPE + fp8 write on the GPU, byte for byte with rotate-then-reference-write
+    on the CPU: every bf16 bit pattern as key and value rows at random positions, with
+    scales of every class the kernel tells apart (powers of two: multiply; moderate
+    non-powers of two: FAST_DIV; tiny or huge: IEEE division), per head and ``[1]``."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    key = bits.view(torch.bfloat16).view(-1, 8, 128)
+    value = key.flip(0).contiguous()
+    n = key.shape[0]
+    g = torch.Generator().manual_seed(zlib.crc32(f"{cache_dtype}{scales_per}".encode()))
+    positions = torch.randint(0, 64, (n,), generator=g)
+    rope_cpu, rope_dev = RoPE.build(128, 64), RoPE.build(128, 64, device=DEV)
+    storage = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[cache_dtype]
+    if scales_per == "head":
+        sets = [[0.5, 2.0, 1.0, 0.25, 4.0, 1.0, 2.0**-10, 8.0],
+                [0.37, 3.0, 0.1, 1 / 3, 7.0, 448 / 3, -1.5, 1.5 * 2.0**-30],
+                [0.37, 3.0, 0.1, 1 / 3, 7.0, 448 / 3, -1.5, 2.0**127]]
+    else:
+        sets = [[v] for v in (0.25, 0.37, 7.0, 1e-3, 2.0**127, 1e-39)]
+    w = SplitKVCacheWriter(L.SPLIT_NHD)
+    for scales in sets:
+        ks = torch.tensor(scales, dtype=torch.float32)
+        vs = ks.flip(0).contiguous()
+        slots = torch.randperm(n + 16, generator=g)[:n]
+        want = torch.zeros(-(-(n + 16) // 16), 2, 16, 8, 128, dtype=storage)
+        reference_write(L.SPLIT_NHD, rotate_reference(key, positions, rope_cpu), value, want,
+                        slots, KVQuant(cache_dtype, ks, vs))  # type: ignore[arg-type]
+        got = torch.zeros_like(want, device=DEV)
+        w.write_with_rope(None, key.to(DEV), value.to(DEV), got, slots.to(DEV),
+                          KVQuant(cache_dtype, ks.to(DEV), vs.to(DEV)),  # type: ignore[arg-type]
+                          positions.to(DEV), rope_dev)
+        diff = (raw(got).cpu() != raw(want)).nonzero()
+        assert diff.numel() == 0, f"scales {scales}: {diff.shape[0]} byte(s) differ"
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])

@@ -1,13 +1,15 @@
-"""The arithmetic of the tiled kernel's FAST_DIV (``_div_by_scale`` in
-``vllm/attention/ops/triton_writer_kernels.py``), replayed on CPU in numpy with an
-exact fused multiply-add, against the IEEE quotient ``x / s``: the fp8 bytes the
-writers store (E4M3 and E5M2, through the reference's ``to_fp8``) are identical for
-every bf16 and fp16 input and for fp32 inputs at and next to every fp8 rounding
-midpoint, over scales that stress the reciprocal (powers of two, mantissas next to 1
-and 2, subnormal, zero, negative, infinite, NaN, and the 2**-30 / 2**30 edges of the
-power-of-two prescaling). Where the float32 results differ at all, the quotient is
-below 2**-40 or above 2**64 (fp8 stores zero, or saturates, for both: E5M2's
-smallest step is 2**-16, E4M3's largest value 448); that is checked too.
+"""The arithmetic of the fp8 writers' division by a scale (``_scale_kind`` and
+``_fp8_quotient`` in ``vllm/attention/ops/triton_writer_kernels.py``: the multiply by
+the reciprocal for powers of two, the FAST_DIV Markstein quotient for other scales of
+moderate size, the IEEE division for the rest), replayed on CPU in numpy with an exact
+fused multiply-add, against the IEEE quotient ``x / s``: the fp8 bytes the writers store
+(E4M3 and E5M2, through the reference's ``to_fp8``) are identical for every bf16 and
+fp16 input and for fp32 inputs at and next to every fp8 rounding midpoint, over scales
+that stress the reciprocal (powers of two, mantissas next to 1 and 2, subnormal, zero,
+negative, infinite, NaN, and both edges of the moderate range, 2**-30 and 2**30).
+Where the float32 results differ at all, the quotient is below 2**-40 or above 2**64
+(fp8 stores zero, or saturates, for both: E5M2's smallest step is 2**-16, E4M3's
+largest value 448); that is checked too.
 
 This tests the algorithm; ``tests/writers/test_writers_gpu.py`` checks the compiled
 kernel's stored bytes on a GPU.
@@ -40,25 +42,39 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     return s.astype(np.float32)
 
 
+def scale_kind(s: np.float32) -> int:
+    """``_scale_kind``: 0 power of two, 1 moderate (FAST_DIV), 2 the rest."""
+    b = int(np.float32(s).view(np.uint32))
+    e = (b >> 23) & 0xFF
+    if (b & 0x7FFFFF) == 0 and 1 <= e <= 253:
+        return 0
+    return 1 if 97 <= e <= 156 else 2
+
+
 def fast_div(x: np.ndarray, s: np.float32) -> np.ndarray:
-    """The kernel's FAST_DIV, operation for operation (float32, round to nearest even)."""
-    a = np.abs(s)
-    f = F32(2.0**64) if a < F32(2.0**-30) else F32(2.0**-64) if a > F32(2.0**30) else F32(1.0)
-    s2 = F32(s * f)
-    r = F32(F32(1.0) / s2)
+    """The kernel's quotient for scale ``s``, operation for operation (float32, round to
+    nearest even)."""
+    kind = scale_kind(s)
     with np.errstate(all="ignore"):
-        x2 = (x * f).astype(np.float32)
-        q = (x2 * r).astype(np.float32)
-    q2 = fma32(-fma32(q, np.full_like(q, s2), -x2), np.full_like(q, r), q)
-    return np.where(np.isnan(q2) | (q == 0), q, q2).astype(np.float32)
+        if kind == 2:
+            return (x / s).astype(np.float32)
+        r = F32(F32(1.0) / s)
+        q = (x * r).astype(np.float32)
+    if kind == 0:
+        return q
+    q2 = fma32(fma32(q, np.full_like(q, -s), x), np.full_like(q, r), q)
+    y = np.where(np.isnan(q2), q, q2).astype(np.float32).view(np.uint32)
+    sign = q.view(np.uint32) & np.uint32(0x80000000)
+    return (y | sign).view(np.float32)
 
 
 def _scales() -> list[np.float32]:
     rng = np.random.default_rng(7)
     special = [1.0, 2.0**-20, 2.0**12, 3.0, 0.1, 1 / 3, 7.0, 448 / 3, -1.5, 0.0, 1e-39,
                2.0**-127, 1e38, 3e38, 2.0**-30, 2.0**30, np.inf, -np.inf, np.nan]
-    near = [np.nextafter(F32(v), F32(0.0)) for v in (1.0, 2.0, 2.0**-30)]
-    near += [np.nextafter(F32(v), F32(np.inf)) for v in (1.0, 2.0**30)]
+    near = [np.nextafter(F32(v), F32(0.0)) for v in (1.0, 2.0, 2.0**-30, 2.0**30)]
+    near += [np.nextafter(F32(v), F32(np.inf)) for v in (1.0, 2.0**-30, 2.0**30)]
+    near += [F32(1.5 * 2.0**-30), F32(-1.75 * 2.0**29), F32(1.25 * 2.0**-31)]
     spread = list(10.0 ** (rng.random(8) * 8 - 4)) + list(10.0 ** (rng.random(6) * 70 - 35))
     return [F32(v) for v in special + near + spread]
 

@@ -181,6 +181,9 @@ def _division_scales(gen: torch.Generator) -> list[float]:
                 for v in (1.0, 2.0, 4.0)]
     special += [float(torch.nextafter(torch.tensor(v), torch.tensor(10.0)))
                 for v in (1.0, 2.0, 0.5)]
+    # both edges of FAST_DIV's moderate range, 2**-30 <= |s| < 2**30 (_scale_kind)
+    special += [1.5 * 2.0**-30, -1.75 * 2.0**29, 1.25 * 2.0**-31,
+                float(torch.nextafter(torch.tensor(2.0**30), torch.tensor(0.0)))]
     special += [float(v) for v in (10.0 ** (torch.rand(48, generator=gen) * 8 - 4))]
     # reciprocals that overflow (zero, subnormal: the per-element fallback), a subnormal
     # with a finite reciprocal, and near the top of the float32 range
@@ -196,12 +199,13 @@ def test_fast_division_is_byte_identical_exhaustively(in_dtype: str, cache_dtype
                                                       scales_per: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiled kernel's quantiser (a multiply by the reciprocal when every scale is a
-    power of two; else FAST_DIV: one reciprocal per head plus a Markstein FMA
-    correction; or, with FAST_DIV off, the IEEE division per element) stores exactly
+    power of two; else, for scales of moderate size, FAST_DIV: one reciprocal per head
+    plus a Markstein FMA correction; or the IEEE division per element) stores exactly
     the bytes of the torch reference computed on the CPU: every bf16 / fp16 bit pattern
-    (and 2**20 random fp32 patterns, specials included) against 75 scales, four heads
+    (and 2**20 random fp32 patterns, specials included) against 79 scales, four heads
     at a time (8 of them in two all-power-of-two chunks) or one ``[1]`` scale at a time
-    (``SCALAR_S``)."""
+    (``SCALAR_S``); with FAST_DIV on and off, and with the hardware conversion's own NaN
+    (HW_NAN, where claimed) and the select after it."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{in_dtype}{cache_dtype}".encode()))
     heads = 4
     if in_dtype == "fp32":
@@ -214,8 +218,9 @@ def test_fast_division_is_byte_identical_exhaustively(in_dtype: str, cache_dtype
     n = x.shape[0]
     storage = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[cache_dtype]
     scales = _division_scales(gen)
-    for fast in ("1", "0"):
+    for fast, hw_nan in (("1", ""), ("0", ""), ("1", "0")):
         monkeypatch.setenv("VLLM_KV_FAST_DIV", fast)
+        monkeypatch.setenv("VLLM_KV_HW_NAN", hw_nan)
         w = SplitKVCacheWriter(L.SPLIT_NHD)
         step = heads if scales_per == "head" else 1
         for i in range(0, len(scales), step):
@@ -232,5 +237,46 @@ def test_fast_division_is_byte_identical_exhaustively(in_dtype: str, cache_dtype
                     KVQuant(cache_dtype, ks.cuda(), vs.cuda()))
             diff = (got.cpu().view(torch.uint8) != want.view(torch.uint8)).nonzero()
             assert diff.numel() == 0, (
-                f"FAST_DIV={fast} scales {chunk}: {diff.shape[0]} byte(s) differ, first at "
+                f"FAST_DIV={fast} HW_NAN={hw_nan or 'default'} scales {chunk}: "
+                f"{diff.shape[0]} byte(s) differ, first at "
                 f"{diff[0].tolist()}")
+
+
+@needs_triton
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_hardware_conversion_nan_claim(cache_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where :func:`~vllm.attention.ops.triton_writers.hardware_fp8_nan` claims it, the
+    hardware conversion alone stores every NaN as 0x7F: float32 NaNs of both signs
+    (quiet, signalling, all-ones and random payloads) written with HW_NAN forced on,
+    through the multiply (scale 1.0), FAST_DIV (0.37) and IEEE-division (2**127) paths,
+    every byte 0x7F. Where it is not claimed, the probe's finding is the skip reason."""
+    from vllm.attention.ops import triton_writers as tw
+
+    dev = torch.device("cuda")
+    if not tw.hardware_fp8(dev):
+        pytest.skip("no hardware fp8 conversion here (sm_89+)")
+    claimed = tw.hardware_fp8_nan(dev)
+    monkeypatch.setenv("VLLM_KV_HW_NAN", "1")
+    g = torch.Generator().manual_seed(5)
+    payload = torch.randint(1, 2**23, (2040,), generator=g, dtype=torch.int64)
+    fixed = torch.tensor([0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0x7FA00000], dtype=torch.int64)
+    bits = torch.cat([fixed, 0x7F800000 | payload])
+    bits = torch.cat([bits, bits | 0x80000000]).to(torch.uint32).view(torch.int32)
+    x = bits.view(torch.float32).view(-1, 4, 128)  # 4096 NaNs: [8, 4, 128]
+    n = x.shape[0]
+    storage = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[cache_dtype]
+    seen: set[int] = set()
+    for scale in (1.0, 0.37, 2.0**127):
+        s = torch.full((4,), scale, device=dev)
+        cache = torch.zeros(1, 2, 16, 4, 128, dtype=storage, device=dev)
+        SplitKVCacheWriter(L.SPLIT_NHD).write(x.to(dev), x.to(dev), cache,
+                                              torch.arange(n, device=dev),
+                                              KVQuant(cache_dtype, s, s.clone()))  # type: ignore[arg-type]
+        seen |= set(cache[:, :, :n].view(torch.uint8).unique().tolist())
+    canonical = seen == {0x7F}
+    cap = torch.cuda.get_device_capability()
+    if claimed:
+        assert canonical, f"sm_{cap[0]}{cap[1]}: claimed, but NaNs stored as {sorted(seen)}"
+    else:
+        pytest.skip(f"sm_{cap[0]}{cap[1]}: HW_NAN not claimed; the conversion stored NaNs as "
+                    f"{sorted(hex(b) for b in seen)}")

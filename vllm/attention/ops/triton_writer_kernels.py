@@ -330,61 +330,92 @@ def _to_input_bits(y: tl.tensor, IN_KIND: tl.constexpr) -> tl.tensor:
 
 
 @jit
-def _not_pow2(s: tl.tensor) -> tl.tensor:
-    """Elementwise: ``s`` is not ``+-2**k`` with k in [-126, 126] (see :func:`_scales_are_pow2`)."""
+def _scale_kind(s: tl.tensor) -> tl.tensor:
+    """Elementwise int32 class of fp8 scales, which decides how a program divides by them
+    (the largest class of its heads' scales):
+
+    * 0: ``+-2**k``, k in [-126, 126], a normal float32 whose reciprocal is a normal
+      float32, exactly. Then ``x * (1 / s)`` is the same real number as ``x / s`` and
+      float32 multiplication rounds it as division does (overflow, underflow, signed
+      zeros and NaN included): one multiply an element. Scale 1.0 (no calibration) is
+      one.
+    * 1: any other finite ``s`` with ``2**-30 <= |s| < 2**30``: :func:`_fp8_quotient`
+      (FAST_DIV) when the launch allows it, else the IEEE division.
+    * 2: the rest (zero, subnormal, huge, infinite, NaN): the IEEE division."""
     b = s.to(tl.uint32, bitcast=True)
     e = (b >> 23) & 0xFF
-    return ((b & 0x7FFFFF) != 0) | (e < 1) | (e > 253)
-
-
-@jit
-def _scales_are_pow2(s: tl.tensor) -> tl.tensor:
-    """True when every scale of ``s`` [N] is ``+-2**k``, k in [-126, 126] (a normal float32
-    whose reciprocal is a normal float32, exactly). Then ``x * (1 / s)`` is the same real
-    number as ``x / s`` and float32 multiplication rounds it as division does (overflow,
-    underflow, signed zeros and NaN included): one multiply an element instead of an
-    IEEE division. Scale 1.0 (no calibration) is such a scale."""
-    return tl.reduce(_not_pow2(s).to(tl.int32), 0, _max) == 0
+    pow2 = ((b & 0x7FFFFF) == 0) & (e >= 1) & (e <= 253)
+    moderate = (e >= 97) & (e <= 156)
+    return tl.where(pow2, 0, tl.where(moderate, 1, 2))
 
 
 @jit
 def _load_scales(s_ptr: tl.tensor, s_sh: tl.tensor, h: tl.tensor, hm: tl.tensor,
                  MODE: tl.constexpr, SCALAR_S: tl.constexpr,
                  BLOCK_H: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
-    """Heads ``h``'s fp8 scales ``[BLOCK_H]`` (ones for MODE 0, not loaded) and whether
-    they are all powers of two (:func:`_scales_are_pow2`; not meaningful for MODE 0).
-    SCALAR_S: one scale for every head (a ``[1]`` scale), loaded and tested once, no
-    cross-warp reduction."""
+    """Heads ``h``'s fp8 scales ``[BLOCK_H]`` (ones for MODE 0, not loaded) and the
+    largest :func:`_scale_kind` among them (0 for MODE 0). SCALAR_S: one scale for every
+    head (a ``[1]`` scale), loaded and classified once, no cross-warp reduction."""
     if MODE == 0:
         s = tl.full((BLOCK_H,), 1.0, tl.float32)
-        p2 = True
+        kind = 0
     elif SCALAR_S:
         s0 = tl.load(s_ptr)
         s = tl.broadcast_to(s0, (BLOCK_H,))
-        p2 = _not_pow2(s0) == 0
+        kind = _scale_kind(s0)
     else:
         s = tl.load(s_ptr + h * s_sh, mask=hm, other=1.0)
-        p2 = _scales_are_pow2(s)
-    return s, p2
+        kind = tl.reduce(_scale_kind(s), 0, _max)
+    return s, kind
 
 
 @jit
-def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, s_pow2: tl.tensor,
+def _fp8_quotient(x: tl.tensor, s: tl.tensor) -> tl.tensor:
+    """``x / s`` as the fp8 store that follows sees it, for scales ``s`` (broadcast
+    against ``x``) of :func:`_scale_kind` 1 (compiled kernels only: it needs a true
+    fused multiply-add). One reciprocal ``r = 1/s`` per scale, then per element
+    ``q = x*r`` and one Markstein correction ``q + (x - q*s)*r`` (two FMAs; the
+    remainder is exact). Where the correction is NaN (``x`` or ``q`` infinite) ``q``
+    stands, and a zero quotient keeps ``q``'s sign (the correction alone would make
+    ``-0`` ``+0``). Wherever the result can differ from the IEEE quotient its magnitude
+    is below 2**-40 or above 2**64, where both store the same fp8 byte
+    (``tests/writers/test_fast_division.py`` checks the arithmetic on CPU, bit for bit,
+    with an exact FMA; the GPU test every stored byte)."""
+    r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    q = x * r
+    q2 = tl.fma(tl.fma(q, -s, x), r, q)
+    y = tl.where(q2 != q2, q, q2).to(tl.uint32, bitcast=True)
+    sign = q.to(tl.uint32, bitcast=True) & 0x80000000
+    return (y | sign).to(tl.float32, bitcast=True)
+
+
+@jit
+def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, s_kind: tl.tensor,
               mask: tl.tensor, IN_KIND: tl.constexpr, MODE: tl.constexpr,
-              HW_CVT: tl.constexpr) -> None:
-    """Store input-dtype ``bits`` as the cache stores them (MODE 0 copy, 1 E4M3, 2 E5M2);
-    ``s_pow2``: :func:`_scales_are_pow2` of the scales ``s`` broadcasts."""
+              HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr, HW_NAN: tl.constexpr) -> None:
+    """Store input-dtype ``bits`` as the cache stores them (MODE 0 copy, 1 E4M3, 2 E5M2)
+    after dividing by the scales ``s`` (broadcast against ``bits``); ``s_kind`` is
+    :func:`_load_scales`'s class of them. FAST_DIV: :func:`_fp8_quotient` for class 1.
+    HW_NAN: :func:`_fp8_store_bits`'s."""
     if MODE == 0:
         tl.store(dst, bits, mask=mask)
     else:
         # each branch stores (no value leaves the runtime if: a yielded tile at 8 warps
         # stored other bytes on the H200, Triton 3.6)
         x = _widen(bits, IN_KIND)
-        if s_pow2:
+        if s_kind == 0:
             r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-            tl.store(dst, _fp8_store_bits(x * r, MODE, HW_CVT, False), mask=mask)
+            tl.store(dst, _fp8_store_bits(x * r, MODE, HW_CVT, False, HW_NAN), mask=mask)
+        elif FAST_DIV:
+            if s_kind == 1:
+                tl.store(dst, _fp8_store_bits(_fp8_quotient(x, s), MODE, HW_CVT, False, HW_NAN),
+                         mask=mask)
+            else:
+                tl.store(dst, _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT, True, HW_NAN),
+                         mask=mask)
         else:
-            tl.store(dst, _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT), mask=mask)
+            tl.store(dst, _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT, True, HW_NAN),
+                     mask=mask)
 
 
 @jit
@@ -437,7 +468,7 @@ def rope_kv_kernel(
     K_XO: tl.constexpr, K_XD: tl.constexpr, V_XO: tl.constexpr, V_XD: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_PK: tl.constexpr, BLOCK_DV: tl.constexpr, CACHE_HINTS: tl.constexpr,
-    SCALAR_S: tl.constexpr,
+    SCALAR_S: tl.constexpr, FAST_DIV: tl.constexpr = False, HW_NAN: tl.constexpr = False,
 ) -> None:
     """One program per (token, head group): rotate ``q`` in place (groups below
     ``q_groups``), or rotate ``k`` and -- with WRITE -- store it and ``v`` at the token's
@@ -492,8 +523,8 @@ def rope_kv_kernel(
             vl = live & hm[:, None] & (dv < head_size_v)[None, :]
             vbits = _ld(v_ptr + t * v_st + h[:, None] * v_sh + dv[None, :] * v_sd, vl,
                         CACHE_HINTS)
-            skh, kp2 = _load_scales(ks_ptr, ks_sh, h, hm, MODE, SCALAR_S, BLOCK_HK)
-            svh, vp2 = _load_scales(vs_ptr, vs_sh, h, hm, MODE, SCALAR_S, BLOCK_HK)
+            skh, kkind = _load_scales(ks_ptr, ks_sh, h, hm, MODE, SCALAR_S, BLOCK_HK)
+            svh, vkind = _load_scales(vs_ptr, vs_sh, h, hm, MODE, SCALAR_S, BLOCK_HK)
             sk = skh[:, None]
             sv = svh[:, None]
             b1, b2 = _rotate_at(kx1, kx2, pos_ptr + t * pos_st, cs_ptr, cs_sp, cs_sd, j, half,
@@ -506,16 +537,17 @@ def rope_kv_kernel(
             kdst = (kc_ptr + blk * kc_sb + (off // K_XO) * kc_so_hi + (off % K_XO) * kc_so_lo
                     + h * kc_sh)
             _store_as(kdst[:, None] + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, :],
-                      b1, sk, kp2, m, IN_KIND, MODE, HW_CVT)
+                      b1, sk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN)
             _store_as(kdst[:, None] + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, :],
-                      b2, sk, kp2, m, IN_KIND, MODE, HW_CVT)
+                      b2, sk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN)
             if PASS_K:
                 _store_as(kdst[:, None] + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, :],
-                          pbits, sk, kp2, ok & pl, IN_KIND, MODE, HW_CVT)
+                          pbits, sk, kkind, ok & pl, IN_KIND, MODE, HW_CVT, FAST_DIV,
+                          HW_NAN)
             vdst = (vc_ptr + blk * vc_sb + (off // V_XO) * vc_so_hi + (off % V_XO) * vc_so_lo
                     + h * vc_sh)
             _store_as(vdst[:, None] + ((dv // V_XD) * vc_sd_hi + (dv % V_XD) * vc_sd_lo)[None, :],
-                      vbits, sv, vp2, ok & vl, IN_KIND, MODE, HW_CVT)
+                      vbits, sv, vkind, ok & vl, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN)
         else:
             m = hm[:, None] & jm[None, :]
             kx1 = tl.load(base[:, None] + i1[None, :] * k_sd, mask=m, other=0)
@@ -537,61 +569,30 @@ def rope_kv_kernel(
 
 @jit
 def _fp8_store_bits(y: tl.tensor, MODE: tl.constexpr, HW_CVT: tl.constexpr,
-                    CLAMP: tl.constexpr = True) -> tl.tensor:
+                    CLAMP: tl.constexpr = True, HW_NAN: tl.constexpr = False) -> tl.tensor:
     """float32 ``y`` (already divided by its scale) to the fp8 byte the reference stores
     (MODE 1 E4M3, 2 E5M2).
 
     The reference clamps to the format's largest finite value, then rounds. The hardware
     conversion (``cvt.rn.satfinite``) saturates by itself: every value beyond the largest
-    finite one, infinities included, becomes it (NaN is handled apart), so with
-    ``CLAMP=False`` the clamp is left out on that path (two min/max and a NaN select an
-    element fewer; the exhaustive GPU byte test runs that path)."""
+    finite one, infinities included, becomes it, so with ``CLAMP=False`` the clamp is left
+    out on that path (two min/max and a NaN select an element fewer; the exhaustive GPU
+    byte test runs that path). HW_NAN (with HW_CVT): the conversion itself stores every
+    NaN as the reference's byte 0x7F (:func:`~vllm.attention.ops.triton_writers.hardware_fp8_nan`),
+    so no select after it either: the converted pairs are stored as they come."""
     LIM: tl.constexpr = 448.0 if MODE == 1 else 57344.0
     if HW_CVT:
         c = _clamp_keep_nan(y, -LIM, LIM) if CLAMP else y
-        nan = y != y
         if MODE == 1:
-            q = tl.where(nan, 0x7F, c.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(
-                tl.uint8, bitcast=True))
+            b = c.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
         else:
-            q = tl.where(nan, 0x7F, c.to(tl.float8e5, fp_downcast_rounding="rtne").to(
-                tl.uint8, bitcast=True))
+            b = c.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        q = b if HW_NAN else tl.where(y != y, 0x7F, b)
     elif MODE == 1:
         q = _fp8_bits(_clamp_keep_nan(y, -LIM, LIM), 3, 7)
     else:
         q = _fp8_bits(_clamp_keep_nan(y, -LIM, LIM), 2, 15)
     return q.to(tl.uint8)
-
-
-@jit
-def _div_by_scale(x: tl.tensor, s: tl.tensor, FAST_DIV: tl.constexpr) -> tl.tensor:
-    """``x`` ``[BLOCK_T, BLOCK_H, D]`` divided by the per-head ``s`` ``[BLOCK_H]``, for the
-    fp8 store that follows. Without FAST_DIV: the IEEE quotient (``div.rn``), element by
-    element.
-
-    FAST_DIV (compiled kernels only: it needs a true fused multiply-add) divides once
-    per head: ``x`` and ``s`` are first scaled by the same power of two ``f`` (2**64
-    where ``|s|`` is below 2**-30, 2**-64 where it is above 2**30: exact, and it keeps
-    ``r = 1/s`` and the residual normal numbers wherever the quotient is in fp8's range), then ``q = x*r`` and one Markstein correction ``q - (q*s - x)*r`` with two
-    FMAs. ``q`` itself is kept where it is zero (the correction would lose the sign of a
-    zero quotient) or where the correction is NaN (``x`` or the quotient infinite, ``s``
-    zero, infinite or NaN: ``q`` already is the IEEE result there). Wherever the result
-    can differ from the IEEE quotient its magnitude is below 2**-40 or above 2**64,
-    where both store the same fp8 byte (``tests/writers/test_fast_division.py`` checks the
-    arithmetic on CPU, bit for bit, with an exact FMA; the GPU test every stored byte)."""
-    if FAST_DIV:
-        a = tl.abs(s)
-        f = tl.where(a < 9.313225746154785e-10, 1.8446744073709552e19,
-                     tl.where(a > 1073741824.0, 5.421010862427522e-20, 1.0))
-        s2 = s * f
-        r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s2)[None, :, None]
-        x2 = x * f[None, :, None]
-        q = x2 * r
-        q2 = tl.fma(-tl.fma(q, s2[None, :, None], -x2), r, q)
-        y = tl.where((q2 != q2) | (q == 0.0), q, q2)
-    else:
-        y = tl.div_rn(x, s[None, :, None])
-    return y
 
 
 @jit
@@ -602,8 +603,7 @@ def _tile_load(
     MODE: tl.constexpr, SCALAR_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """Input bits ``[BLOCK_T, BLOCK_H, D]`` of one operand, its per-head scales (ones for
-    MODE 0, not loaded) and whether they are all powers of two (:func:`_scales_are_pow2`).
-    SCALAR_S: one scale for every head (a ``[1]`` scale), tested once, no reduction."""
+    MODE 0, not loaded) and their class (:func:`_load_scales`)."""
     h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     hm = h < num_heads
@@ -611,8 +611,8 @@ def _tile_load(
     src = (x_ptr + t[:, None, None] * x_st + h[None, :, None] * x_sh
            + d[None, None, :] * x_sd)
     bits = tl.load(src, mask=load_mask, other=0)
-    s, p2 = _load_scales(s_ptr, s_sh, h, hm, MODE, SCALAR_S, BLOCK_H)
-    return bits, s, p2
+    s, kind = _load_scales(s_ptr, s_sh, h, hm, MODE, SCALAR_S, BLOCK_H)
+    return bits, s, kind
 
 
 @jit
@@ -620,27 +620,18 @@ def _tile_store(
     bits: tl.tensor, s: tl.tensor, ok: tl.tensor, row: tl.tensor, pid_h: tl.tensor,
     c_ptr: tl.tensor, c_sh: tl.tensor, c_sd: tl.tensor, num_heads: tl.tensor,
     head_size: tl.tensor,
-    s_pow2: tl.tensor,
+    s_kind: tl.tensor,
     IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HW_NAN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ) -> None:
     """Store :func:`_tile_load`'s rows; ``row`` ``[BLOCK_T]`` is each token's element offset
-    of ``(slot, head 0, dim 0)`` in the cache operand; ``s_pow2`` from :func:`_tile_load`."""
+    of ``(slot, head 0, dim 0)`` in the cache operand; ``s_kind`` from :func:`_tile_load`."""
     h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     store_mask = ok[:, None, None] & (h < num_heads)[None, :, None] & (d < head_size)[None, None, :]
     dst = c_ptr + row[:, None, None] + h[None, :, None] * c_sh + d[None, None, :] * c_sd
-    if MODE == 0:
-        tl.store(dst, bits, mask=store_mask)
-    else:
-        x = _widen(bits, IN_KIND)
-        if s_pow2:  # one multiply an element (scale 1.0, for one)
-            r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-            tl.store(dst, _fp8_store_bits(x * r[None, :, None], MODE, HW_CVT, False),
-                     mask=store_mask)
-        else:  # each branch stores (see _store_as)
-            tl.store(dst, _fp8_store_bits(_div_by_scale(x, s, FAST_DIV), MODE, HW_CVT,
-                                          not FAST_DIV), mask=store_mask)
+    _store_as(dst, bits, s[None, :, None], s_kind, store_mask, IN_KIND, MODE, HW_CVT, FAST_DIV,
+              HW_NAN)
 
 
 @jit_token_count("num_tokens")
@@ -655,7 +646,7 @@ def scatter_kv_tiled_kernel(
     head_size_k: tl.tensor, head_size_v: tl.tensor,
     IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, SCALAR_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr, SCALAR_S: tl.constexpr, HW_NAN: tl.constexpr = False,
 ) -> None:
     """One program per (BLOCK_T tokens, group of BLOCK_H heads) of a token-major cache
     (element ``(slot, h, d)`` at ``blk*sb + off*so + h*sh + d*sd``). MODE as
@@ -668,13 +659,13 @@ def scatter_kv_tiled_kernel(
     # Every load before the first store: the stores may alias the inputs as far as the
     # compiler knows, so loads placed after a store would wait for it (one more memory
     # round trip on the latency-bound small writes).
-    kb, ks, kp2 = _tile_load(t, tm, pid_h, k_ptr, k_st, k_sh, k_sd, ks_ptr, ks_sh, num_heads,
+    kb, ks, kkind = _tile_load(t, tm, pid_h, k_ptr, k_st, k_sh, k_sd, ks_ptr, ks_sh, num_heads,
                              head_size_k, MODE, SCALAR_S, BLOCK_H, BLOCK_DK)
-    vb, vs, vp2 = _tile_load(t, tm, pid_h, v_ptr, v_st, v_sh, v_sd, vs_ptr, vs_sh, num_heads,
+    vb, vs, vkind = _tile_load(t, tm, pid_h, v_ptr, v_st, v_sh, v_sd, vs_ptr, vs_sh, num_heads,
                              head_size_v, MODE, SCALAR_S, BLOCK_H, BLOCK_DV)
     blk = slot // block_size
     off = slot % block_size
     _tile_store(kb, ks, ok, blk * kc_sb + off * kc_so, pid_h, kc_ptr, kc_sh, kc_sd, num_heads,
-                head_size_k, kp2, IN_KIND, MODE, HW_CVT, FAST_DIV, BLOCK_H, BLOCK_DK)
+                head_size_k, kkind, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_H, BLOCK_DK)
     _tile_store(vb, vs, ok, blk * vc_sb + off * vc_so, pid_h, vc_ptr, vc_sh, vc_sd, num_heads,
-                head_size_v, vp2, IN_KIND, MODE, HW_CVT, FAST_DIV, BLOCK_H, BLOCK_DV)
+                head_size_v, vkind, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_H, BLOCK_DV)

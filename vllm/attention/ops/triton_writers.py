@@ -203,8 +203,7 @@ def scatter_kv_launch(
              v_scale, 0 if v_scale.numel() == 1 else v_scale.stride(0),
              h, k_target.block_size, k_target.num_slots, dk, dv),
             {"IN_KIND": _IN_KIND[key.dtype], "MODE": mode,
-             "HW_CVT": mode != 0 and hardware_fp8(k_target.tensor.device),
-             "FAST_DIV": mode != 0 and fast_division(k_target.tensor.device),
+             **_fp8_consts(mode, k_target.tensor.device),
              "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_DK": block_dk,
              "BLOCK_DV": block_dv, "SCALAR_S": _one_scale(mode, k_scale, v_scale)},
             roles=("slots", "key", "value", "cache", "cache", *scale_roles),
@@ -282,6 +281,34 @@ def fast_division(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     return os.environ.get("VLLM_KV_FAST_DIV", "1") != "0"
+
+
+_HW_NAN_CANONICAL: Final = frozenset({(9, 0)})
+"""Compute capabilities whose fp8 conversion (``cvt.rn.satfinite.{e4m3,e5m2}x2.f32``)
+was seen to store every NaN, whatever its sign and payload, as 0x7F (the reference's
+byte): probed on the H200 (``tests/writers/test_writers_gpu.py`` checks it, and the
+exhaustive byte test stores every bf16/fp16 NaN through it). Elsewhere the kernels keep
+their select."""
+
+
+def hardware_fp8_nan(device: torch.device) -> bool:
+    """Whether the hardware fp8 conversion here stores every NaN as 0x7F by itself
+    (``HW_NAN``: the kernels then store the converted bytes without a select);
+    ``VLLM_KV_HW_NAN=0`` / ``1`` overrides (for A/B measurements and the GPU probe)."""
+    if not hardware_fp8(device):
+        return False
+    env = os.environ.get("VLLM_KV_HW_NAN", "")
+    if env in ("0", "1"):
+        return env == "1"
+    index: int | None = device.index
+    return _capability(torch.cuda.current_device() if index is None else index) in _HW_NAN_CANONICAL
+
+
+def _fp8_consts(mode: int, device: torch.device) -> dict[str, int | bool]:
+    """The fp8 constexprs shared by the tiled scatter and the fused RoPE kernel."""
+    return {"HW_CVT": mode != 0 and hardware_fp8(device),
+            "FAST_DIV": mode != 0 and fast_division(device),
+            "HW_NAN": mode != 0 and hardware_fp8_nan(device)}
 
 
 def scatter_kv(
@@ -438,11 +465,11 @@ def _rope_launch(
         *w_args)
     consts: dict[str, int | bool] = {
         "IN_KIND": _IN_KIND[key.dtype], "CS_KIND": _IN_KIND[cos_sin_cache.dtype],
-        "MODE": mode, "HW_CVT": mode != 0 and hardware_fp8(key.device), "NEOX": neox,
+        "MODE": mode, "NEOX": neox,
         "WRITE": write is not None, "PASS_K": pass_k, **xsplit,
         "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_R": block_r,
         "BLOCK_PK": block_pk, "BLOCK_DV": block_dv, "CACHE_HINTS": 1,
-        "SCALAR_S": scalar_s}
+        "SCALAR_S": scalar_s, **_fp8_consts(mode, key.device)}
     roles = ("positions", "cos_sin", *q_role, "key", *w_roles)
     return Launch("rope_kv_kernel", (rows, q_groups + kv_groups), args, consts,
                   options=dict(ROPE_OPTIONS), roles=roles)
