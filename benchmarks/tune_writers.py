@@ -1,15 +1,17 @@
 """Launch-parameter sweep of the tiled scatter kernel for the bandwidth targets.
 
 For the target rows of ``bench_writers.py`` (split K/V bf16 and fp8, MLA latent bf16
-and fp8, T = 65536 random slots) times the prebuilt kernel launch with CUDA events
-for every ``BLOCK_T`` x ``num_warps`` (for fp8: at scale 1.0, which the quantiser
-multiplies by, and at 0.37 with and without ``FAST_DIV``) and reports GB/s and the
-ratio to an eager ``copy_`` of a 2 GiB bf16 tensor measured in the same run. Every
-variant's cache bytes are compared with the default launch's (a variant that differs
-is reported and never chosen). The defaults in ``vllm/attention/ops/triton_writers.py``
+and fp8, T = 65536 random slots) times the prebuilt kernel launch for every
+``BLOCK_T`` x ``num_warps`` (for fp8: at scale 1.0, which the quantiser multiplies by,
+and at 0.37 with and without ``FAST_DIV``) and reports GB/s and the ratio to an eager
+``copy_`` of a 2 GiB bf16 tensor measured in the same run (each variant timed in a
+CUDA graph of 10 launches, as ``bench_writers.py``'s kernel column: eager launches of
+the ~30 us MLA writes would time the host). ``--hw-nan both`` adds the fp8
+conversion's NaN select on and off. Every variant's cache bytes are compared with the
+default launch's (a variant that differs is reported and never chosen). The defaults in ``vllm/attention/ops/triton_writers.py``
 come from this table (``docs/performance.md``). Then the fused RoPE + write (keys
-only, T=8192) against the plain write, in CUDA graphs, at 2..8 warps with and without
-its L2 hints.
+only, T=8192) against the plain write, in CUDA graphs, at 1..8 warps with and without
+its L2 hints, fp8 at each scale.
 
     python benchmarks/tune_writers.py --out benchmarks/results/h200
 
@@ -20,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import sys
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -31,17 +35,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_writers as bw  # noqa: E402
-from _timing import copy_ceiling_gbps, event_us  # noqa: E402
+from _timing import copy_ceiling_gbps  # noqa: E402
 
 from vllm.attention.ops.triton_writers import Launch, triton_importable  # noqa: E402
 
 TARGETS = ["split_nhd/auto", "split_nhd/fp8_e4m3", "mla_latent/auto", "mla_latent/fp8_e4m3"]
 
 
-def variant(launch: Launch, n: int, block_t: int, warps: int, fast: bool | None) -> Launch:
+def variant(launch: Launch, n: int, block_t: int, warps: int, fast: bool | None,
+            hw_nan: bool | None = None) -> Launch:
     consts = {**launch.constexprs, "BLOCK_T": block_t}
     if fast is not None:
         consts["FAST_DIV"] = fast
+    if hw_nan is not None:
+        consts["HW_NAN"] = hw_nan
     grid = (-(-n // block_t), *launch.grid[1:])
     return dataclasses.replace(launch, grid=grid, constexprs=consts,
                                options={**launch.options, "num_warps": warps})
@@ -51,12 +58,14 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def _rope_sweep(dev: torch.device, iters: int) -> list[dict[str, object]]:
+def _rope_sweep(dev: torch.device, warps: list[int], scales: list[float],
+                hw_nans: tuple[bool | None, ...]) -> list[dict[str, object]]:
     """The fused RoPE + write without a query (``fused k-only`` of bench_fused_rope.py)
     at T=8192 against the plain write's launch, device time per call in CUDA graphs (20
     calls a graph, the same positions each call, as consecutive layers have):
-    ``rope_kv_kernel`` at 2..8 warps, with and without its L2 hints (``CACHE_HINTS``),
-    bf16 and fp8, each variant's bytes checked against the default launch's."""
+    ``rope_kv_kernel`` at each of ``warps``, with and without its L2 hints
+    (``CACHE_HINTS``), bf16 and fp8 (at each of ``scales``, HW_NAN as given), each
+    variant's bytes checked against the default launch's."""
     import bench_fused_rope as bf
     from _timing import capture, replay_us
 
@@ -70,8 +79,10 @@ def _rope_sweep(dev: torch.device, iters: int) -> list[dict[str, object]]:
 
     rows: list[dict[str, object]] = []
     rope = RoPE.build(bf.D, bf.MAX_POS, device=dev)
-    for cache_dtype in ("auto", "fp8_e4m3"):
-        x = bf._setup(8192, cache_dtype, dev, 0)
+    runs: list[tuple[Literal["auto", "fp8_e4m3"], float]] = [("auto", 1.0)]
+    runs += [("fp8_e4m3", sc) for sc in scales]
+    for cache_dtype, scale in runs:
+        x = bf._setup(8192, cache_dtype, dev, 0, scale_value=scale)
         kv, vv = split_kv_views(x["cache"], bw.L.SPLIT_NHD)
         kt, vt = ScatterTarget.token_major(kv), ScatterTarget.token_major(vv)
         mode = scatter_mode(cache_dtype)
@@ -83,21 +94,26 @@ def _rope_sweep(dev: torch.device, iters: int) -> list[dict[str, object]]:
         x["cache"].zero_()
         base.run()
         want = _raw(x["cache"]).clone()
-        for hints in (1, 0):
-            for nw in (2, 4, 8):
-                name = f"warps={nw} hints={hints}"
-                v = dataclasses.replace(base, constexprs={**base.constexprs, "CACHE_HINTS": hints},
-                                        options={**base.options, "num_warps": nw})
-                x["cache"].zero_()
-                v.run()
-                same = bool(torch.equal(_raw(x["cache"]), want))
-                us = graph_us(v)
-                rows.append({"config": f"rope_k_only/{cache_dtype}", "tokens": 8192,
-                             "variant": name, "us": us, "plain_write_us": plain_us,
-                             "vs_plain_write": us / plain_us, "bytes_equal": same})
-                print(f"rope k-only {cache_dtype:9} T=8192 {name:20} {us:7.2f} us, plain write "
-                      f"{plain_us:7.2f} us, ratio {us / plain_us:5.3f}"
-                      + ("" if same else "  BYTES DIFFER"))
+        for hw_nan in (hw_nans if mode else (None,)):
+            for hints in (1, 0):
+                for nw in warps:
+                    name = f"warps={nw} hints={hints} hw_nan={hw_nan}"
+                    consts = {**base.constexprs, "CACHE_HINTS": hints}
+                    if hw_nan is not None:
+                        consts["HW_NAN"] = hw_nan
+                    v = dataclasses.replace(base, constexprs=consts,
+                                            options={**base.options, "num_warps": nw})
+                    x["cache"].zero_()
+                    v.run()
+                    same = bool(torch.equal(_raw(x["cache"]), want))
+                    us = graph_us(v)
+                    rows.append({"config": f"rope_k_only/{cache_dtype}", "tokens": 8192,
+                                 "scale": scale, "variant": name, "us": us,
+                                 "plain_write_us": plain_us, "vs_plain_write": us / plain_us,
+                                 "bytes_equal": same})
+                    print(f"rope k-only {cache_dtype:9} scale={scale:<5} T=8192 {name:34} "
+                          f"{us:7.2f} us, plain write {plain_us:7.2f} us, ratio "
+                          f"{us / plain_us:5.3f}" + ("" if same else "  BYTES DIFFER"))
     return rows
 
 
@@ -107,13 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/local"))
     p.add_argument("--tokens", type=int, nargs="+", default=[65536])
     p.add_argument("--configs", nargs="*", default=TARGETS)
-    p.add_argument("--block-t", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--block-t", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--scales", type=float, nargs="+", default=[1.0, 0.37],
                    help="fp8 k/v scales: 1.0 (a power of two: the quantiser multiplies) and "
                         "one that is not (it divides: FAST_DIV on and off)")
     p.add_argument("--fast-div", choices=["both", "on"], default="both",
                    help="for a scale that is not a power of two: FAST_DIV off and on, or on")
+    p.add_argument("--hw-nan", choices=["default", "both"], default="default",
+                   help="fp8: the launch's HW_NAN, or both settings")
+    p.add_argument("--rope-warps", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--no-rope", action="store_true", help="skip the fused RoPE sweep")
     p.add_argument("--iters", type=int, default=50)
     args = p.parse_args(argv)
@@ -124,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = argparse.Namespace(block_size=16, heads=8, head_size=128, dtype="bf16",
                             kv_lora_rank=512, rope_dim=64, slots="random", path="triton",
                             scale=1.0)
+    timing = argparse.Namespace(iters=args.iters, warmup=5)  # bench_writers' graph timing
     copy_gbps = copy_ceiling_gbps(dev, 2.0, 10)
     print(f"eager copy_ ceiling: {copy_gbps:.0f} GB/s")
     gen = torch.Generator().manual_seed(0)
@@ -145,28 +165,30 @@ def main(argv: list[str] | None = None) -> int:
                 want = setup.cache.clone()
                 pow2 = math.frexp(scale)[0] == 0.5  # FAST_DIV is not used then
                 divide = (False, True) if args.fast_div == "both" else (True,)
-                for fast in ((None,) if not fp8 else (True,) if pow2 else divide):
-                    for bt in args.block_t:
-                        for nw in args.warps:
-                            v = variant(base, n, bt, nw, fast)
-                            try:
-                                setup.cache.zero_()
-                                v.run()
-                                same = bool(torch.equal(_raw(setup.cache), _raw(want)))
-                                us = event_us(v.run, iters=args.iters, warmup=5, rounds=1)
-                            except Exception as exc:  # a variant that does not compile
-                                print(f"{name} T={n} BLOCK_T={bt} warps={nw} fast={fast}: {exc}")
-                                continue
-                            gbps = setup.bytes_moved / (us * 1e-6) / 1e9
-                            bad += not same
-                            row = {"config": name, "tokens": n, "scale": scale, "block_t": bt,
-                                   "num_warps": nw, "fast_div": fast, "us": us, "gbps": gbps,
-                                   "vs_copy": gbps / copy_gbps, "bytes_equal": same}
-                            rows.append(row)
-                            print(f"{name:22} T={n:<6} scale={scale:<5} BLOCK_T={bt:<3} "
-                                  f"warps={nw} fast={fast!s:5} {us:8.1f} us {gbps:7.0f} GB/s "
-                                  f"{gbps / copy_gbps:5.2f}x" + ("" if same else "  BYTES DIFFER"))
-                default = {k: base.constexprs.get(k) for k in ("BLOCK_T", "FAST_DIV")}
+                nans = (None,) if args.hw_nan == "default" or not fp8 else (True, False)
+                for fast, hw_nan, bt, nw in itertools.product(
+                        (None,) if not fp8 else (True,) if pow2 else divide, nans,
+                        args.block_t, args.warps):
+                    v = variant(base, n, bt, nw, fast, hw_nan)
+                    try:
+                        setup.cache.zero_()
+                        v.run()
+                        same = bool(torch.equal(_raw(setup.cache), _raw(want)))
+                        us = bw._kernel_us(v, timing, dev)
+                    except Exception as exc:  # a variant that does not compile
+                        print(f"{name} T={n} BLOCK_T={bt} warps={nw} fast={fast}: {exc}")
+                        continue
+                    gbps = setup.bytes_moved / (us * 1e-6) / 1e9
+                    bad += not same
+                    row = {"config": name, "tokens": n, "scale": scale, "block_t": bt,
+                           "num_warps": nw, "fast_div": fast, "hw_nan": hw_nan, "us": us,
+                           "gbps": gbps, "vs_copy": gbps / copy_gbps, "bytes_equal": same}
+                    rows.append(row)
+                    print(f"{name:22} T={n:<6} scale={scale:<5} BLOCK_T={bt:<3} "
+                          f"warps={nw} fast={fast!s:5} hw_nan={hw_nan!s:5} {us:8.1f} us "
+                          f"{gbps:7.0f} GB/s {gbps / copy_gbps:5.2f}x"
+                          + ("" if same else "  BYTES DIFFER"))
+                default = {k: base.constexprs.get(k) for k in ("BLOCK_T", "FAST_DIV", "HW_NAN")}
                 best = max((r for r in rows if r["config"] == name and r["tokens"] == n
                             and r["scale"] == scale and r["bytes_equal"]),
                            key=lambda r: float(r["gbps"]))  # type: ignore[arg-type]
@@ -174,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"best {best}")
                 del setup
                 torch.cuda.empty_cache()
-    rope_rows = [] if args.no_rope else _rope_sweep(dev, args.iters)
+    rope_rows = [] if args.no_rope else _rope_sweep(
+        dev, args.rope_warps, args.scales, (None,) if args.hw_nan == "default" else (True, False))
     bad += sum(not r["bytes_equal"] for r in rope_rows)
     rows += rope_rows
     args.out.mkdir(parents=True, exist_ok=True)

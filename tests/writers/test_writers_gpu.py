@@ -258,7 +258,7 @@ def test_hardware_conversion_nan_claim(cache_dtype: str, monkeypatch: pytest.Mon
     claimed = tw.hardware_fp8_nan(dev)
     monkeypatch.setenv("VLLM_KV_HW_NAN", "1")
     g = torch.Generator().manual_seed(5)
-    payload = torch.randint(1, 2**23, (2040,), generator=g, dtype=torch.int64)
+    payload = torch.randint(1, 2**23, (2044,), generator=g, dtype=torch.int64)
     fixed = torch.tensor([0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0x7FA00000], dtype=torch.int64)
     bits = torch.cat([fixed, 0x7F800000 | payload])
     bits = torch.cat([bits, bits | 0x80000000]).to(torch.uint32).view(torch.int32)

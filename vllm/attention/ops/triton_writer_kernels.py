@@ -400,35 +400,58 @@ def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, s_kind: tl.tensor,
     if MODE == 0:
         tl.store(dst, bits, mask=mask)
     else:
-        # each branch stores (no value leaves the runtime if: a yielded tile at 8 warps
-        # stored other bytes on the H200, Triton 3.6)
-        x = _widen(bits, IN_KIND)
-        if s_kind == 0:
-            r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-            tl.store(dst, _fp8_store_bits(x * r, MODE, HW_CVT, False, HW_NAN), mask=mask)
-        elif FAST_DIV:
-            if s_kind == 1:
-                tl.store(dst, _fp8_store_bits(_fp8_quotient(x, s), MODE, HW_CVT, False, HW_NAN),
-                         mask=mask)
-            else:
-                tl.store(dst, _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT, True, HW_NAN),
-                         mask=mask)
+        _store_fp8(dst, _widen(bits, IN_KIND), s, s_kind, mask, MODE, HW_CVT, FAST_DIV, HW_NAN)
+
+
+@jit
+def _store_fp8(dst: tl.tensor, x: tl.tensor, s: tl.tensor, s_kind: tl.tensor,
+               mask: tl.tensor, MODE: tl.constexpr, HW_CVT: tl.constexpr,
+               FAST_DIV: tl.constexpr, HW_NAN: tl.constexpr) -> None:
+    """:func:`_store_as` of float32 values ``x`` (exactly the input's values) into an fp8
+    cache (MODE 1 E4M3, 2 E5M2)."""
+    # each branch stores (no value leaves the runtime if: a yielded tile at 8 warps
+    # stored other bytes on the H200, Triton 3.6)
+    if s_kind == 0:
+        r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        tl.store(dst, _fp8_store_bits(x * r, MODE, HW_CVT, False, HW_NAN), mask=mask)
+    elif FAST_DIV:
+        if s_kind == 1:
+            tl.store(dst, _fp8_store_bits(_fp8_quotient(x, s), MODE, HW_CVT, False, HW_NAN),
+                     mask=mask)
         else:
             tl.store(dst, _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT, True, HW_NAN),
                      mask=mask)
+    else:
+        tl.store(dst, _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT, True, HW_NAN), mask=mask)
 
 
 @jit
 def _rotate_pairs(
     x1: tl.tensor, x2: tl.tensor, c: tl.tensor, s: tl.tensor, IN_KIND: tl.constexpr,
+    AS_F32: tl.constexpr = False,
 ) -> tuple[tl.tensor, tl.tensor]:
     """Rotated input-dtype bits of the pairs ``(x1, x2)`` (input bits) by ``c``, ``s``
-    (float32, broadcast against them)."""
+    (float32, broadcast against them). AS_F32 (compiled kernels writing fp8): the same
+    values as float32 (the rotated row rounded to the input dtype by the hardware
+    conversion, round to nearest even; a NaN may keep its payload, which no fp8 byte
+    shows), for :func:`_store_fp8`."""
     y1 = _widen(x1, IN_KIND)
     y2 = _widen(x2, IN_KIND)
     o1 = y1 * c - y2 * s
     o2 = y2 * c + y1 * s
-    return _to_input_bits(o1, IN_KIND), _to_input_bits(o2, IN_KIND)
+    if not AS_F32:
+        r1 = _to_input_bits(o1, IN_KIND)
+        r2 = _to_input_bits(o2, IN_KIND)
+    elif IN_KIND == 1:
+        r1 = o1.to(tl.float16).to(tl.float32)
+        r2 = o2.to(tl.float16).to(tl.float32)
+    elif IN_KIND == 2:
+        r1 = o1.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+        r2 = o2.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+    else:
+        r1 = o1
+        r2 = o2
+    return r1, r2
 
 
 @jit
@@ -436,6 +459,7 @@ def _rotate_at(
     x1: tl.tensor, x2: tl.tensor, pos_ptr: tl.tensor, cs_ptr: tl.tensor, cs_sp: tl.tensor,
     cs_sd: tl.tensor, j: tl.tensor, half: tl.tensor, jm: tl.tensor,
     IN_KIND: tl.constexpr, CS_KIND: tl.constexpr, CACHE_HINTS: tl.constexpr,
+    AS_F32: tl.constexpr = False,
 ) -> tuple[tl.tensor, tl.tensor]:
     """:func:`_rotate_pairs` of rows ``[H, BLOCK_R]`` by the cos/sin row of the position
     at ``pos_ptr``: the position is loaded here, after the caller's row loads, so the
@@ -443,7 +467,7 @@ def _rotate_at(
     pos = tl.load(pos_ptr)
     c = _load_f32(cs_ptr + pos * cs_sp + j * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
     s = _load_f32(cs_ptr + pos * cs_sp + (j + half) * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
-    o1, o2 = _rotate_pairs(x1, x2, c[None, :], s[None, :], IN_KIND)
+    o1, o2 = _rotate_pairs(x1, x2, c[None, :], s[None, :], IN_KIND, AS_F32)
     return o1, o2
 
 
@@ -527,8 +551,11 @@ def rope_kv_kernel(
             svh, vkind = _load_scales(vs_ptr, vs_sh, h, hm, MODE, SCALAR_S, BLOCK_HK)
             sk = skh[:, None]
             sv = svh[:, None]
+            # compiled fp8 writes take the rotated keys as float32 (hardware rounding to the
+            # input dtype instead of the integer code; no bits in between)
+            ROT_F32: tl.constexpr = MODE != 0 and HW_CVT
             b1, b2 = _rotate_at(kx1, kx2, pos_ptr + t * pos_st, cs_ptr, cs_sp, cs_sd, j, half,
-                                jm, IN_KIND, CS_KIND, CACHE_HINTS)
+                                jm, IN_KIND, CS_KIND, CACHE_HINTS, ROT_F32)
             # every load before the first store (see scatter_kv_tiled_kernel)
             ok = (slot >= 0) & (slot < num_slots)
             m = ok & lm
@@ -536,10 +563,14 @@ def rope_kv_kernel(
             off = slot % block_size
             kdst = (kc_ptr + blk * kc_sb + (off // K_XO) * kc_so_hi + (off % K_XO) * kc_so_lo
                     + h * kc_sh)
-            _store_as(kdst[:, None] + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, :],
-                      b1, sk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN)
-            _store_as(kdst[:, None] + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, :],
-                      b2, sk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN)
+            k1 = kdst[:, None] + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, :]
+            k2 = kdst[:, None] + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, :]
+            if ROT_F32:
+                _store_fp8(k1, b1, sk, kkind, m, MODE, HW_CVT, FAST_DIV, HW_NAN)
+                _store_fp8(k2, b2, sk, kkind, m, MODE, HW_CVT, FAST_DIV, HW_NAN)
+            else:
+                _store_as(k1, b1, sk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN)
+                _store_as(k2, b2, sk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN)
             if PASS_K:
                 _store_as(kdst[:, None] + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, :],
                           pbits, sk, kkind, ok & pl, IN_KIND, MODE, HW_CVT, FAST_DIV,
