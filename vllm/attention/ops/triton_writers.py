@@ -397,6 +397,13 @@ def fp8_ds_mla(
 ROPE_OPTIONS: Final[dict[str, int | bool]] = {"enable_fp_fusion": False}
 """No FMA contraction: products and sums round one by one, as the torch reference does."""
 
+ROPE_FP8_WARPS: Final = 2
+"""``num_warps`` of the fused RoPE kernel when it writes an fp8 cache: its one-token
+programs convert 2048 values each, and at 2 warps the keys-only write at T=8192 cost
+1.04 x the plain write (scale 1.0) and 0.93 x (scale 0.37) against 1.20 x / 1.17 x at
+4 warps (H200 sweep, ``benchmarks/results/h200/tune_split.json``). bf16 caches keep
+Triton's 4 (0.99 x there; 1.00 x at 2)."""
+
 
 def _rope_launch(
     query: torch.Tensor | None,
@@ -471,8 +478,11 @@ def _rope_launch(
         "BLOCK_PK": block_pk, "BLOCK_DV": block_dv, "CACHE_HINTS": 1,
         "SCALAR_S": scalar_s, **_fp8_consts(mode, key.device)}
     roles = ("positions", "cos_sin", *q_role, "key", *w_roles)
+    options = dict(ROPE_OPTIONS)
+    if mode != 0:
+        options["num_warps"] = ROPE_FP8_WARPS
     return Launch("rope_kv_kernel", (rows, q_groups + kv_groups), args, consts,
-                  options=dict(ROPE_OPTIONS), roles=roles)
+                  options=options, roles=roles)
 
 
 def rope_launch(
