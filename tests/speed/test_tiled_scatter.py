@@ -111,10 +111,8 @@ def test_kernel_choice() -> None:
     assert tw.scatter_kernel_for(tw.ScatterTarget.x_split_key(k5),
                                  tw.ScatterTarget.head_major_value(v4)) == "generic"
     assert tw.tokens_per_program(1, 1024) == 1
-    assert tw.tokens_per_program(65536, 1024) == 2  # split bf16, H=8, D=128
-    assert tw.tokens_per_program(65536, 1024, scaled=True) == 4  # split fp8
-    assert tw.tokens_per_program(65536, 512) == 4  # MLA latent bf16
-    assert tw.tokens_per_program(65536, 512, scaled=True) == 8  # MLA latent fp8
+    assert tw.tokens_per_program(65536, 1024) == 2  # split bf16 and fp8, H=8, D=128
+    assert tw.tokens_per_program(65536, 512) == 4  # MLA latent bf16 and fp8
     assert tw.tokens_per_program(65536, 64) == 16
     assert not tw.hardware_fp8(torch.device("cpu"))
 

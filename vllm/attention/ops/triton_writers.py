@@ -190,7 +190,7 @@ def scatter_kv_launch(
     block_dk, block_dv = _pow2(dk), _pow2(dv)
     block_h = min(_pow2(h), max(1, _MAX_TILE // max(block_dk, block_dv)))
     if scatter_kernel_for(k_target, v_target) == "tiled":
-        block_t = tokens_per_program(n, block_h * max(block_dk, block_dv), mode != 0)
+        block_t = tokens_per_program(n, block_h * max(block_dk, block_dv))
         return Launch(
             "scatter_kv_tiled_kernel", (-(-n // block_t), -(-h // block_h)),
             (slot_mapping, slot_mapping.stride(0), n,
@@ -244,15 +244,16 @@ def scatter_kernel_for(k_target: ScatterTarget, v_target: ScatterTarget) -> Scat
     return "tiled"
 
 
-def tokens_per_program(num_tokens: int, tile: int, scaled: bool = False) -> int:
+def tokens_per_program(num_tokens: int, tile: int) -> int:
     """``BLOCK_T`` of the tiled kernel: 1 below :data:`TILED_MIN_TOKENS` (small batches
     want every program they can get), else enough tokens for about 16 elements per thread
-    of a 4-warp program per operand (32 for fp8 writes, which convert before storing),
-    at most 16 (sweep on the H200: ``benchmarks/results/h200/tune_writers.json``)."""
+    of a 4-warp program per operand, at most 16. fp8 writes too: with the leaner
+    quantiser the repeated H200 sweep put split fp8 at 0.98 x the copy ceiling at 2 tokens
+    a program against 0.87-0.97 x at 4, MLA fp8 within 0.01 x of its best
+    (``benchmarks/results/h200/tune_split.json``, ``tune_mla.json``)."""
     if num_tokens < TILED_MIN_TOKENS:
         return 1
-    per_program = (32 if scaled else 16) * 128
-    return max(1, min(16, per_program // max(1, tile)))
+    return max(1, min(16, 16 * 128 // max(1, tile)))
 
 
 @functools.cache
@@ -398,11 +399,16 @@ ROPE_OPTIONS: Final[dict[str, int | bool]] = {"enable_fp_fusion": False}
 """No FMA contraction: products and sums round one by one, as the torch reference does."""
 
 ROPE_FP8_WARPS: Final = 2
-"""``num_warps`` of the fused RoPE kernel when it writes an fp8 cache: its one-token
-programs convert 2048 values each, and at 2 warps the keys-only write at T=8192 cost
-1.04 x the plain write (scale 1.0) and 0.93 x (scale 0.37) against 1.20 x / 1.17 x at
-4 warps (H200 sweep, ``benchmarks/results/h200/tune_split.json``). bf16 caches keep
-Triton's 4 (0.99 x there; 1.00 x at 2)."""
+"""``num_warps`` of the fused RoPE kernel writing an fp8 cache from
+:data:`ROPE_FEW_WARPS_FROM` rows on: its one-token programs convert 2048 values each,
+and at 2 warps the keys-only write at T=8192 cost 1.04 x the plain write (scale 1.0)
+and 0.94 x (scale 0.37) against 1.20 x / 1.17 x at 4 warps; at T <= 64 the 4-warp
+launch is faster (fused vs rotate-then-write 1.75-1.82 x against 1.56-1.61 x at 2),
+so smaller batches keep Triton's 4, as bf16 caches do (0.99 x at 4 warps, 1.00 x at
+2). H200 sweeps: ``benchmarks/results/h200/tune_split.json``, ``fused_rope.json``."""
+
+ROPE_FEW_WARPS_FROM: Final = 1024
+"""Rows from which an fp8 fused RoPE write launches :data:`ROPE_FP8_WARPS` warps."""
 
 
 def _rope_launch(
@@ -479,7 +485,7 @@ def _rope_launch(
         "SCALAR_S": scalar_s, **_fp8_consts(mode, key.device)}
     roles = ("positions", "cos_sin", *q_role, "key", *w_roles)
     options = dict(ROPE_OPTIONS)
-    if mode != 0:
+    if mode != 0 and rows >= ROPE_FEW_WARPS_FROM:
         options["num_warps"] = ROPE_FP8_WARPS
     return Launch("rope_kv_kernel", (rows, q_groups + kv_groups), args, consts,
                   options=options, roles=roles)
