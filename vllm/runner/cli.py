@@ -120,6 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     parallel, device = init_tensor_parallel(device)
+    engine: LLMEngine | None = None
     try:
         engine = LLMEngine.create(
             args.model, backend=args.backend, dtype=args.dtype, device=device,
@@ -149,6 +150,8 @@ def _generate(args: argparse.Namespace) -> int:
             _report(engine, sys.stderr)
         return 0
     finally:
+        if engine is not None:
+            engine.close()  # graphs holding NCCL work first: else the destroy below hangs
         shutdown_tensor_parallel(parallel)
 
 

@@ -58,6 +58,17 @@ class PiecewiseCUDAGraphs:
     def max_size(self) -> int:
         return self.sizes[-1]
 
+    def release(self) -> None:
+        """Free every captured graph (after the work in flight). Under tensor parallelism
+        this must precede ``destroy_process_group``: on 2 x H200 with NCCL 2.28 the
+        destroy waited forever while graphs that captured NCCL all-reduces were alive."""
+        if self._captured:
+            torch.cuda.synchronize(self.model.device)
+            for c in self._captured.values():
+                for g in c.graphs:
+                    g.reset()
+            self._captured.clear()
+
     def size_for(self, num_tokens: int) -> int | None:
         """The smallest captured size that holds ``num_tokens`` (None: too many)."""
         return next((s for s in self.sizes if s >= num_tokens), None)

@@ -404,6 +404,13 @@ class LLMEngine:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     # -- whole runs ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the captured CUDA graphs (see :meth:`PiecewiseCUDAGraphs.release`); the
+        engine runs eagerly afterwards. Call before tearing down tensor parallelism."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  *, on_step: Callable[[int, int, int], None] | None = None) -> list[RequestOutput]:
