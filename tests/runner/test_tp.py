@@ -47,6 +47,9 @@ def _rank_main(rank: int, port: int, out_dir: str, runs: list[list[str]]) -> Non
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # one host: NCCL's bootstrap over loopback too (on 2 x H200 its second process group
+    # of a run once picked the VM's other interface and the connect was refused)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     for i, argv in enumerate(runs):
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
