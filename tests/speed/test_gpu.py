@@ -139,6 +139,73 @@ def test_fused_rope_cuda_every_bf16_pattern(cache_dtype: str, scales_per: str) -
         assert diff.numel() == 0, f"scales {scales}: {diff.shape[0]} byte(s) differ"
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+@pytest.mark.parametrize("t", [33, 3000])
+def test_fused_rope_cuda_fp16_fp32_inputs(dtype: str, scale: float, t: int) -> None:
+    """The fused RoPE + fp8 write for fp16 and fp32 rows (the compiled kernel rounds the
+    rotated keys by the hardware conversion for fp16 and not at all for fp32), a
+    power-of-two and a FAST_DIV scale, one-token programs at 4 warps (T=33) and at 2
+    (T=3000), with a query, against rotate-then-reference-write on the CPU."""
+    torch_dtype = {"fp16": torch.float16, "fp32": torch.float32}[dtype]
+    g = torch.Generator().manual_seed(t)
+    key = (torch.randn(t, 8, 128, generator=g) * 3).to(torch_dtype)
+    value = torch.randn(t, 8, 128, generator=g).to(torch_dtype)
+    q = torch.randn(t, 32, 128, generator=g).to(torch_dtype)
+    slots = torch.randperm(t + 64, generator=g)[:t]
+    slots[1::5] = -1
+    positions = torch.randint(0, 4096, (t,), generator=g)
+    rope_cpu, rope_dev = RoPE.build(128, 4096), RoPE.build(128, 4096, device=DEV)
+    ks = torch.full((8,), scale) * torch.linspace(1.0, 1.0 if scale == 1.0 else 1.7, 8)
+    quant = KVQuant("fp8_e4m3", ks, ks.flip(0).contiguous())
+    want = torch.empty(-(-(t + 64) // 16), 2, 16, 8, 128, dtype=torch.float8_e4m3fn)
+    fill_random_bytes(want, t)
+    got = want.clone().to(DEV)
+    reference_write(L.SPLIT_NHD, rotate_reference(key, positions, rope_cpu), value, want, slots,
+                    quant)
+    q_got = q.clone().to(DEV)
+    SplitKVCacheWriter(L.SPLIT_NHD).write_with_rope(
+        q_got, key.to(DEV), value.to(DEV), got, slots.to(DEV),
+        KVQuant("fp8_e4m3", quant.k_scale.to(DEV), quant.v_scale.to(DEV)),
+        positions.to(DEV), rope_dev)
+    assert torch.equal(raw(got).cpu(), raw(want))
+    q_want = rotate_reference(q, positions, rope_cpu)
+    assert torch.equal(q_got.cpu().view(-1).view(torch.uint8), q_want.view(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+@pytest.mark.parametrize("t", [5, 3000])
+def test_mla_fused_rope_cuda_fp8(scale: float, t: int) -> None:
+    """The MLA fused RoPE + fp8 write on the GPU (``k_pe`` rotated as float32 into the
+    rope part, the latent quantised alongside), against rotate-then-reference-write on
+    the CPU, with the query's rope part rotated in place."""
+    g = torch.Generator().manual_seed(t + 1)
+    lora, r, heads = 512, 64, 16
+    kv_c = torch.randn(t, lora, generator=g).to(torch.bfloat16)
+    k_pe = torch.randn(t, 1, r, generator=g).to(torch.bfloat16)
+    q = torch.randn(t, heads, 128 + r, generator=g).to(torch.bfloat16)
+    positions = torch.randint(0, 1024, (t,), generator=g)
+    slots = torch.randperm(t + 32, generator=g)[:t]
+    slots[::4] = -1
+    rope_cpu = RoPE.build(r, 1024, style="gptj")
+    rope_dev = RoPE.build(r, 1024, style="gptj", device=DEV)
+    quant = KVQuant("fp8_e4m3", torch.tensor([scale]), torch.tensor([scale]))
+    want = torch.empty(-(-(t + 32) // 16), 16, lora + r, dtype=torch.float8_e4m3fn)
+    fill_random_bytes(want, t)
+    got = want.clone().to(DEV)
+    reference_write(L.MLA_LATENT, kv_c, rotate_reference(k_pe, positions, rope_cpu), want,
+                    slots, quant)
+    q_got = q.clone().to(DEV)
+    MLALatentCacheWriter().write_with_rope(
+        q_got[..., 128:], kv_c.to(DEV), k_pe.to(DEV), got, slots.to(DEV),
+        KVQuant("fp8_e4m3", quant.k_scale.to(DEV), quant.v_scale.to(DEV)),
+        positions.to(DEV), rope_dev)
+    assert torch.equal(raw(got).cpu(), raw(want))
+    q_want = q.clone()
+    q_want[..., 128:] = rotate_reference(q[..., 128:].contiguous(), positions, rope_cpu)
+    assert torch.equal(q_got.cpu().view(torch.int16), q_want.view(torch.int16))
+
+
 @pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_tiled_hardware_fp8_equals_reference_on_edges(cache_dtype: str) -> None:
     assert tw.hardware_fp8(torch.device(DEV)) == (torch.cuda.get_device_capability() >= (8, 9))
