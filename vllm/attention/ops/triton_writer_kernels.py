@@ -4,13 +4,18 @@ Bit-exactness with the torch reference (``vllm.attention.writers``) rests on:
 
 * inputs arrive as their raw bits (int32 for fp32, int16 for fp16/bf16) and are
   widened to float32 exactly (bf16 by a 16-bit shift);
-* float32 division is ``tl.div_rn`` (IEEE round to nearest even);
+* division by an fp8 scale is the IEEE quotient or provably stores the same byte: a
+  multiply by the exact reciprocal of a power of two, or (FAST_DIV) a Markstein
+  quotient for scales of moderate size (``_scale_kind``, ``_fp8_quotient``);
 * clamps keep NaN explicitly (``tl.minimum``/``tl.maximum`` may drop it);
-* float32 -> fp8 and float32 -> bf16 rounding is done with integer operations
-  (round to nearest even, NaN to one canonical byte pattern). Hardware ``cvt``
-  and Triton's CPU interpreter disagree on some inputs (the interpreter does not
-  round to nearest even), so the kernels do not rely on either: the same integer
-  code gives the same bytes on every GPU architecture and under the interpreter.
+* under the interpreter and on GPUs before sm_89, float32 -> fp8 and float32 -> bf16
+  rounding is integer code (round to nearest even, NaN to one canonical byte pattern):
+  Triton's interpreter does not round to nearest even. Compiled for sm_89+ (HW_CVT)
+  the hardware conversions are used where they give the same bytes (``cvt.rn.satfinite``
+  for fp8, ``cvt.rn.bf16.f32`` for the fused RoPE's fp8 writes, the conversion's own
+  NaN byte where claimed, HW_NAN); the exhaustive GPU byte tests in
+  ``tests/writers/test_writers_gpu.py`` and ``tests/speed/test_gpu.py`` hold them to
+  the reference.
 
 Offsets that multiply a slot or a token index are int64 (caches can exceed 2**31
 elements). Layout diagrams: ``docs/layouts.md``.
