@@ -32,5 +32,12 @@ def fill_random_bytes(t: torch.Tensor, seed: int) -> None:
     r.copy_(torch.randint(0, 256, r.shape, generator=g, dtype=torch.uint8))
 
 
+def every_16_bit_pattern(dtype: torch.dtype, heads: int, d: int = 128) -> torch.Tensor:
+    """All 65,536 bit patterns of a 16-bit dtype (NaNs, infinities, subnormals and both
+    zeros included) as rows ``[65536 / (heads * d), heads, d]``."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    return bits.view(dtype).view(-1, heads, d)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.helpers import fill_random_bytes, raw
+from tests.helpers import every_16_bit_pattern, fill_random_bytes, raw
 from tests.mla.helpers import make_spec
 from tests.mla.helpers import setup as mla_setup
 from vllm.attention import InvalidArgumentError, InvalidTypeError, KVQuant, allocate_kv_cache
@@ -376,8 +376,7 @@ def test_fused_write_scalar_scale_every_bf16_pattern() -> None:
     rotated at position 0 and quantised with a power of two (multiplied), 2**127 and
     7.0 (divided), byte for byte with rotate-then-reference-write. Multiplying by the
     reciprocal of 7.0 instead of dividing changes some of these bytes."""
-    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
-    key = bits.view(torch.bfloat16).view(-1, 8, 128)
+    key = every_16_bit_pattern(torch.bfloat16, 8)
     value = key.flip(0).contiguous()
     n = key.shape[0]
     rope = RoPE.build(128, 4)

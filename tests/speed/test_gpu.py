@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.helpers import fill_random_bytes, raw
+from tests.helpers import every_16_bit_pattern, fill_random_bytes, raw
 from tests.writers.oracle import edge_values
 from vllm.attention import KVQuant, allocate_kv_cache
 from vllm.attention.backends.triton_attn import TritonAttentionBackend
@@ -109,8 +109,7 @@ def test_fused_rope_cuda_every_bf16_pattern(cache_dtype: str, scales_per: str) -
     on the CPU: every bf16 bit pattern as key and value rows at random positions, with
     scales of every class the kernel tells apart (powers of two: multiply; moderate
     non-powers of two: FAST_DIV; tiny or huge: IEEE division), per head and ``[1]``."""
-    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
-    key = bits.view(torch.bfloat16).view(-1, 8, 128)
+    key = every_16_bit_pattern(torch.bfloat16, 8)
     value = key.flip(0).contiguous()
     n = key.shape[0]
     g = torch.Generator().manual_seed(zlib.crc32(f"{cache_dtype}{scales_per}".encode()))

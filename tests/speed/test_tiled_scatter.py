@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import fill_random_bytes, raw
+from tests.helpers import every_16_bit_pattern, fill_random_bytes, raw
 from vllm.attention import KVQuant
 from vllm.attention.ops import triton_writers as tw
 from vllm.attention.types import KVCacheLayout
@@ -127,8 +127,7 @@ def test_scalar_scale_every_bf16_pattern(monkeypatch: pytest.MonkeyPatch) -> Non
     ``tests/writers/test_writers_gpu.py``)."""
     monkeypatch.setattr(tw, "TILED_MIN_TOKENS", 1)  # several tokens per program: faster here
     cache_dtype = "fp8_e4m3"
-    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
-    x = bits.view(torch.bfloat16).view(-1, 4, 128)
+    x = every_16_bit_pattern(torch.bfloat16, 4)
     value = x.flip(0).contiguous()
     n = x.shape[0]
     g = torch.Generator().manual_seed(5)

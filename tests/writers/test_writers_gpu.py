@@ -13,6 +13,7 @@ import zlib
 import pytest
 import torch
 
+from tests.helpers import every_16_bit_pattern
 from tests.writers.oracle import Case, L, all_cases, check, edge_values, prepare, write
 from vllm.attention import KVQuant
 from vllm.attention.ops.triton_writers import triton_importable
@@ -164,12 +165,6 @@ def test_triton_write_captures_in_a_cuda_graph() -> None:
     check(w)
 
 
-def _every_16_bit_pattern(dtype: torch.dtype, heads: int) -> torch.Tensor:
-    """All 65,536 bit patterns of a 16-bit dtype as ``[65536 / (heads * 128), heads, 128]``."""
-    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
-    return bits.view(dtype).view(-1, heads, 128)
-
-
 def _division_scales(gen: torch.Generator) -> list[float]:
     """Scales that stress a per-element division: log-uniform ones, powers of two (the
     multiply path), mantissas next to 1 and 2, and values whose reciprocals round badly."""
@@ -212,7 +207,7 @@ def test_fast_division_is_byte_identical_exhaustively(in_dtype: str, cache_dtype
         bits = torch.randint(-(2**31), 2**31 - 1, (2**20,), generator=gen, dtype=torch.int64)
         x = bits.to(torch.int32).view(torch.float32).view(-1, heads, 128)
     else:
-        x = _every_16_bit_pattern({"bf16": torch.bfloat16, "fp16": torch.float16}[in_dtype],
+        x = every_16_bit_pattern({"bf16": torch.bfloat16, "fp16": torch.float16}[in_dtype],
                                   heads)
     value = x.flip(0).contiguous()
     n = x.shape[0]
