@@ -262,13 +262,20 @@ def _capability(index: int) -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """``device``'s compute capability (the current device's for a bare ``cuda``); None
+    off CUDA."""
+    if device.type != "cuda":
+        return None
+    index: int | None = device.index
+    return _capability(torch.cuda.current_device() if index is None else index)
+
+
 def hardware_fp8(device: torch.device) -> bool:
     """Whether the compiled kernels convert to fp8 in hardware here (sm_89+: Ada, Hopper,
     Blackwell); the interpreter and older GPUs round in integer code."""
-    if device.type != "cuda":
-        return False
-    index: int | None = device.index
-    return _capability(torch.cuda.current_device() if index is None else index) >= (8, 9)
+    cap = _cuda_capability(device)
+    return cap is not None and cap >= (8, 9)
 
 
 def fast_division(device: torch.device) -> bool:
@@ -302,8 +309,7 @@ def hardware_fp8_nan(device: torch.device) -> bool:
     env = os.environ.get("VLLM_KV_HW_NAN", "")
     if env in ("0", "1"):
         return env == "1"
-    index: int | None = device.index
-    return _capability(torch.cuda.current_device() if index is None else index) in _HW_NAN_CANONICAL
+    return _cuda_capability(device) in _HW_NAN_CANONICAL
 
 
 def _fp8_consts(mode: int, device: torch.device) -> dict[str, int | bool]:
@@ -406,7 +412,7 @@ and at 2 warps the keys-only write at T=8192 cost 1.04 x the plain write (scale 
 and 0.94 x (scale 0.37) against 1.20 x / 1.17 x at 4 warps; at T <= 64 the 4-warp
 launch is faster (fused vs rotate-then-write 1.75-1.82 x against 1.56-1.61 x at 2),
 so smaller batches keep Triton's 4, as bf16 caches do (0.99 x at 4 warps, 1.00 x at
-2). H200 sweeps: ``benchmarks/results/h200/tune_split.json``, ``fused_rope.json``."""
+2). H200 sweeps: ``benchmarks/results/h200/tune_rope_fp8.json``, ``fused_rope.json``."""
 
 ROPE_FEW_WARPS_FROM: Final = 1024
 """Rows from which an fp8 fused RoPE write launches :data:`ROPE_FP8_WARPS` warps."""
