@@ -397,15 +397,18 @@ def _fp8_quotient(x: tl.tensor, s: tl.tensor) -> tl.tensor:
 @jit
 def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, s_kind: tl.tensor,
               mask: tl.tensor, IN_KIND: tl.constexpr, MODE: tl.constexpr,
-              HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr, HW_NAN: tl.constexpr) -> None:
+              HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr, HW_NAN: tl.constexpr,
+              IS_F32: tl.constexpr = False) -> None:
     """Store input-dtype ``bits`` as the cache stores them (MODE 0 copy, 1 E4M3, 2 E5M2)
     after dividing by the scales ``s`` (broadcast against ``bits``); ``s_kind`` is
     :func:`_load_scales`'s class of them. FAST_DIV: :func:`_fp8_quotient` for class 1.
-    HW_NAN: :func:`_fp8_store_bits`'s."""
+    HW_NAN: :func:`_fp8_store_bits`'s. IS_F32 (fp8 modes only): ``bits`` already holds
+    the input's values as float32 (:func:`_rotate_pairs` with AS_F32)."""
     if MODE == 0:
         tl.store(dst, bits, mask=mask)
     else:
-        _store_fp8(dst, _widen(bits, IN_KIND), s, s_kind, mask, MODE, HW_CVT, FAST_DIV, HW_NAN)
+        x = bits if IS_F32 else _widen(bits, IN_KIND)
+        _store_fp8(dst, x, s, s_kind, mask, MODE, HW_CVT, FAST_DIV, HW_NAN)
 
 
 @jit
@@ -439,7 +442,7 @@ def _rotate_pairs(
     (float32, broadcast against them). AS_F32 (compiled kernels writing fp8): the same
     values as float32 (the rotated row rounded to the input dtype by the hardware
     conversion, round to nearest even; a NaN may keep its payload, which no fp8 byte
-    shows), for :func:`_store_fp8`."""
+    shows), for :func:`_store_as` with IS_F32."""
     y1 = _widen(x1, IN_KIND)
     y2 = _widen(x2, IN_KIND)
     o1 = y1 * c - y2 * s
@@ -570,12 +573,8 @@ def rope_kv_kernel(
                     + h * kc_sh)
             k1 = kdst[:, None] + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, :]
             k2 = kdst[:, None] + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, :]
-            if ROT_F32:
-                _store_fp8(k1, b1, sk, kkind, m, MODE, HW_CVT, FAST_DIV, HW_NAN)
-                _store_fp8(k2, b2, sk, kkind, m, MODE, HW_CVT, FAST_DIV, HW_NAN)
-            else:
-                _store_as(k1, b1, sk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN)
-                _store_as(k2, b2, sk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN)
+            _store_as(k1, b1, sk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, ROT_F32)
+            _store_as(k2, b2, sk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, ROT_F32)
             if PASS_K:
                 _store_as(kdst[:, None] + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, :],
                           pbits, sk, kkind, ok & pl, IN_KIND, MODE, HW_CVT, FAST_DIV,
