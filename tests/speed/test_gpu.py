@@ -68,7 +68,7 @@ def _require_bound(runner: tw.CachedLaunch) -> None:
     """The direct launch engaged (Triton 3.6 passes empty ``knobs.HookChain`` launch
     hooks, which ``BoundLaunch.bind`` accepts as no hooks)."""
     assert runner.bound, "the cached launch kept Triton's own launcher"
-    assert runner.binding is not None and "current_hooks()" in runner.binding.source
+    assert runner.binding is not None and "knobs.launch_enter_hook" in runner.binding.source
 
 
 @pytest.mark.parametrize("t", [33, 3000])

@@ -9,7 +9,10 @@ where its assumptions do not hold.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -194,6 +197,90 @@ def test_mla_writer_caches_and_still_rejects() -> None:
     assert info.value.argument == "kv_cache.shape"
 
 
+@pytest.fixture
+def count_signatures(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    real = split_mod.signature_of
+
+    def counting(*a: Any, **k: Any) -> Any:
+        calls[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(split_mod, "signature_of", counting)
+    return calls
+
+
+def test_repeat_call_is_recalled_without_a_signature(count_signatures: list[int],
+                                                     count_validations: list[int]) -> None:
+    """New per-step tensors with the same cache and KVQuant objects match the last call
+    (no signature built); another cache object of the same metadata builds the signature
+    and finds it (no validation); each write lands."""
+    w = SplitKVCacheWriter(L.SPLIT_NHD)
+    _, _, cache, _, quant = _args()
+    for seed in range(4):
+        key, value, _, slots, _ = _args(seed=seed)
+        w.write(key, value, cache, slots, quant)
+        assert torch.equal(cache[slots // BS, 0, slots % BS], key)
+    assert count_signatures[0] == 1 and count_validations[0] == 1
+    other = cache.clone()
+    w.write(key, value, other, slots, quant)
+    w.write(key, value, other, slots, KVQuant.unscaled())  # another KVQuant object
+    w.write(key, value, other, slots, quant, path="torch")  # another path
+    assert count_signatures[0] == 4 and count_validations[0] == 2
+
+
+def test_in_place_metadata_change_of_the_cache_is_seen(count_signatures: list[int]) -> None:
+    """The same cache tensor given other strides (``as_strided_``) or another shape
+    (``unsqueeze_``) in place is not recalled: the new strides are checked and written
+    through, the new shape is rejected before anything is written."""
+    w = SplitKVCacheWriter(L.SPLIT_NHD)
+    key, value, cache, slots, quant = _args()
+    w.write(key, value, cache, slots, quant)
+    w.write(key, value, cache, slots, quant)
+    assert count_signatures[0] == 1
+    storage = torch.zeros(H, NB, 2, BS, D)  # heads outermost: other strides, same shape
+    cache.set_(storage.untyped_storage(), 0, cache.shape, storage.permute(1, 2, 3, 0, 4).stride())
+    w.write(key, value, cache, slots, quant)
+    assert count_signatures[0] == 2
+    assert torch.equal(cache[slots // BS, 0, slots % BS], key)
+    assert torch.equal(cache[slots // BS, 1, slots % BS], value)
+    before = raw(cache).clone()
+    cache.unsqueeze_(0)
+    with pytest.raises(InvalidArgumentError) as info:
+        w.write(key, value, cache, slots, quant)
+    assert info.value.argument == "kv_cache.shape" and count_signatures[0] == 3
+    assert torch.equal(raw(cache), before)
+
+
+def test_writer_keeps_no_freed_cache_alive() -> None:
+    """The recalled call holds its cache, KVQuant and RoPE table weakly."""
+    w = SplitKVCacheWriter(L.SPLIT_NHD)
+    key, value, cache, slots, quant = _args()
+    rope = RoPE.build(D, 16)
+    w.write(key, value, cache, slots, quant)
+    w.write_with_rope(None, key, value, cache, slots, quant, torch.tensor([1, 2, 3]), rope)
+    refs = [weakref.ref(x) for x in (cache, quant, rope)]
+    del cache, quant, rope
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+
+
+def test_write_and_rope_recall_apart_and_clear_forgets(count_signatures: list[int],
+                                                       count_validations: list[int]) -> None:
+    """``write`` and ``write_with_rope`` interleaved each recall their own last call;
+    ``clear_launch_cache`` forgets the recalled calls too (the next call is checked)."""
+    w = SplitKVCacheWriter(L.SPLIT_NHD)
+    key, value, cache, slots, quant = _args()
+    rope, positions = RoPE.build(D, 16), torch.tensor([1, 2, 3])
+    for _ in range(3):
+        w.write(key, value, cache, slots, quant)
+        w.write_with_rope(None, key, value, cache, slots, quant, positions, rope)
+    assert count_signatures[0] == 2 and count_validations[0] == 2
+    w.clear_launch_cache()
+    w.write(key, value, cache, slots, quant)
+    assert count_signatures[0] == 3 and count_validations[0] == 3
+
+
 def test_signature_covers_what_validation_reads() -> None:
     key, value, cache, slots, quant = _args(cache_dtype="fp8_e4m3")
     base = write_signature(key, value, cache, slots, quant, None)
@@ -320,7 +407,9 @@ def test_bound_launch_refuses_where_its_assumptions_break() -> None:
     fn = tw.load_kernels(interpret=False).scatter_kv_kernel
     assert tw.BoundLaunch.bind(_Compiled(), _split_launch(first, 0), first,
                                arg_names=list(fn.arg_names), device=0, get_device=lambda: 0,
-                               get_stream=lambda d: 0, hooks=(print, None)) is None
+                               get_stream=lambda d: 0,
+                               knobs=SimpleNamespace(launch_enter_hook=print,
+                                                     launch_exit_hook=None)) is None
     assert tw.BoundLaunch.bind(object(), _split_launch(first, 0), first,
                                arg_names=list(fn.arg_names), device=0, get_device=lambda: 0,
                                get_stream=lambda d: 0) is None
@@ -336,12 +425,11 @@ def test_bound_launch_accepts_empty_hook_chains_and_yields_to_a_profiler() -> No
     first = _live(0, False)
     fn = getattr(tw.load_kernels(interpret=False), _split_launch(first, 0).kernel)
     enter, exit_ = HookChain(), HookChain(reversed=True)
-    now: list[object] = [enter, exit_]
+    knobs = SimpleNamespace(launch_enter_hook=enter, launch_exit_hook=exit_)
     compiled = _Compiled()
     bound = tw.BoundLaunch.bind(compiled, _split_launch(first, 0), first,
                                 arg_names=list(fn.arg_names), device=0, get_device=lambda: 0,
-                                get_stream=lambda d: 0, hooks=(enter, exit_),
-                                current_hooks=lambda: (now[0], now[1]))
+                                get_stream=lambda d: 0, knobs=knobs)
     assert bound is not None
     assert bound(first) and len(compiled.run.calls) == 1
     assert compiled.run.calls[0][10:13] == (None, None, None)  # no metadata, no hooks
@@ -349,14 +437,23 @@ def test_bound_launch_accepts_empty_hook_chains_and_yields_to_a_profiler() -> No
     assert not bound(first)
     enter.remove(print)
     assert bound(first)
-    now[1] = None  # replaced (here by None): not the object bound against
+    exit_.add(print)
     assert not bound(first)
-    assert len(compiled.run.calls) == 2
+    exit_.remove(print)
+    assert bound(first)
+    knobs.launch_exit_hook = None  # replaced (here by None): not the object bound against
+    assert not bound(first)
+    knobs.launch_exit_hook = exit_
+    knobs.launch_enter_hook = HookChain()  # replaced by another (empty) chain
+    assert not bound(first)
+    assert len(compiled.run.calls) == 3
     busy = HookChain()
     busy.add(print)
     assert tw.BoundLaunch.bind(_Compiled(), _split_launch(first, 0), first,
                                arg_names=list(fn.arg_names), device=0, get_device=lambda: 0,
-                               get_stream=lambda d: 0, hooks=(busy, None)) is None
+                               get_stream=lambda d: 0,
+                               knobs=SimpleNamespace(launch_enter_hook=busy,
+                                                     launch_exit_hook=None)) is None
     assert tw.hooks_quiet(None) and tw.hooks_quiet(HookChain())
     assert not tw.hooks_quiet(busy) and not tw.hooks_quiet(print)
 

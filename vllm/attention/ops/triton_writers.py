@@ -580,21 +580,24 @@ class BoundLaunch:
     def bind(cls, compiled: object, launch: Launch, live: Sequence[torch.Tensor], *,
              arg_names: Sequence[str], device: int,
              get_device: Callable[[], int], get_stream: Callable[[int], int],
-             hooks: tuple[object, object] = (None, None),
-             current_hooks: Callable[[], tuple[object, object]] | None = None,
-             ) -> BoundLaunch | None:
+             knobs: object | None = None) -> BoundLaunch | None:
         """Bind ``launch`` (just run through Triton, which returned ``compiled``) to the
         ``live`` tensors it was built from. None where this launch cannot be replayed
         directly: a launcher of another shape than Triton 3.x's CUDA one, launch hooks
         set (a profiler), per-launch scratch memory, or a pointer Triton specialised as
         unaligned; such calls keep going through Triton.
 
-        ``hooks``: Triton's launch enter / exit hooks now; each must be None or an empty
-        ``knobs.HookChain`` (Triton 3.4+ keeps empty chains where older versions kept
-        None; the launcher calls neither, so the bound call passes None). With
-        ``current_hooks`` (a function returning the hooks), every call first checks that
-        they are still those objects and still empty, and otherwise returns False, so a
-        profiler that adds a hook later sees every launch."""
+        ``knobs``: where Triton keeps its launch hooks (``triton.knobs.runtime``: the
+        attributes ``launch_enter_hook`` / ``launch_exit_hook``); None: no hooks. Each hook
+        must be None or an empty ``knobs.HookChain`` (Triton 3.4+ keeps empty chains where
+        older versions kept None; the launcher calls neither, so the bound call passes
+        None). Every call first checks, inline, that the attributes still hold those
+        objects and that they are still empty, and otherwise returns False, so a profiler
+        that adds a hook later sees every launch."""
+        hooks: tuple[object, object] = (
+            (None, None) if knobs is None
+            else (getattr(knobs, "launch_enter_hook", None),
+                  getattr(knobs, "launch_exit_hook", None)))
         if not all(hooks_quiet(h) for h in hooks):
             return None
         try:
@@ -602,8 +605,8 @@ class BoundLaunch:
             raw = launcher.launch
             if launcher.global_scratch_size or launcher.profile_scratch_size:
                 return None
-            prefix = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
-                      getattr(compiled, "packed_metadata"), None, None, None)
+            cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+            metadata = getattr(compiled, "packed_metadata")
             function = getattr(compiled, "function")
         except AttributeError:
             return None
@@ -615,18 +618,19 @@ class BoundLaunch:
         tensors = [i for i, a in enumerate(launch.args) if isinstance(a, torch.Tensor)]
         if len(tensors) != len(launch.roles):
             return None
-        ns: dict[str, object] = {"raw": raw, "function": function, "prefix": prefix,
+        ns: dict[str, object] = {"raw": raw, "function": function, "metadata": metadata,
+                                 "cooperative": cooperative, "pdl": pdl,
                                  "get_device": get_device, "get_stream": get_stream}
         body: list[str] = []
-        if current_hooks is not None:
-            ns.update(current_hooks=current_hooks, enter0=hooks[0], exit0=hooks[1])
-            guard = ["    enter, exit_ = current_hooks()",
-                     "    if enter is not enter0 or exit_ is not exit0:",
-                     "        return False"]
-            for name, hook in (("enter", hooks[0]), ("exit_", hooks[1])):
-                if hook is not None:  # an empty HookChain now: it must stay empty
-                    guard += [f"    if {name}.calls:", "        return False"]
-            body += guard
+        if knobs is not None:
+            ns.update(knobs=knobs, enter0=hooks[0], exit0=hooks[1])
+            tests = ["knobs.launch_enter_hook is not enter0",
+                     "knobs.launch_exit_hook is not exit0"]
+            # an empty HookChain now must stay empty
+            tests += [f"{name}.calls" for name, hook in (("enter0", hooks[0]),
+                                                         ("exit0", hooks[1]))
+                      if hook is not None]
+            body += [f"    if {' or '.join(tests)}:", "        return False"]
         bases: dict[int, str] = {}
         exprs: list[str] = []
         for pos, role in zip(tensors, launch.roles):
@@ -657,7 +661,7 @@ class BoundLaunch:
             f"    if ({check}) & 15 or get_device() != {int(device)}:",
             "        return False",
             f"    raw({grid[0]}, {grid[1]}, {grid[2]}, get_stream({int(device)}), function, "
-            f"*prefix, {', '.join(exprs)})",
+            f"cooperative, pdl, None, None, metadata, None, None, None, {', '.join(exprs)})",
             "    return True",
         ])
         exec(compile(source, f"<bound launch of {launch.kernel}>", "exec"), ns)  # noqa: S102
@@ -674,12 +678,6 @@ def _runtime_knobs() -> Any:
     from triton import knobs
 
     return knobs.runtime
-
-
-def _launch_hooks() -> tuple[object, object]:
-    """Triton's launch enter / exit hooks as its own launch passes them now."""
-    rt = _runtime_knobs()
-    return rt.launch_enter_hook, rt.launch_exit_hook
 
 
 def hooks_quiet(hook: object) -> bool:
@@ -741,6 +739,5 @@ class CachedLaunch:
         self.binding = BoundLaunch.bind(
             compiled, launch, live, arg_names=list(fn.arg_names),
             device=int(cache.get_device()),
-            get_device=get_device, get_stream=get_stream, hooks=_launch_hooks(),
-            current_hooks=_launch_hooks)
+            get_device=get_device, get_stream=get_stream, knobs=_runtime_knobs())
         self._bound = None if self.binding is None else self.binding.call

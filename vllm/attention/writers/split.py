@@ -29,8 +29,9 @@ from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
 from vllm.attention.writers.launch_cache import (
     Runner,
     SignatureCache,
-    rope_signature,
-    write_signature,
+    rope_meta,
+    signature_of,
+    write_meta,
 )
 from vllm.attention.writers.quant import as_bits, store_values
 from vllm.attention.writers.validation import check_cache_tensor, check_kv_inputs, check_tensor
@@ -103,13 +104,18 @@ class SplitKVCacheWriter(WriterBase):
         logical shape (``(nb, 2, bs, H, D)`` or ``(2, nb, bs, H, D)``), any strides.
         A repeated call signature skips straight to the launch
         (:mod:`vllm.attention.writers.launch_cache`)."""
-        sig = write_signature(key, value, kv_cache, slot_mapping, quant, path)
-        run = self._runners.get(sig)
+        runners = self._runners
+        meta = write_meta(key, value, slot_mapping)
+        run = runners.recall(0, meta, kv_cache, quant, path)
         if run is None:
-            cache = self._checked(key, value, kv_cache, slot_mapping, quant)
-            run = split_runner(self.layout, quant.kv_cache_dtype,
-                               resolve_path(cache.device, path))
-            self._runners.put(sig, run)
+            sig = signature_of(meta, kv_cache, quant, path)
+            run = runners.get(sig)
+            if run is None:
+                cache = self._checked(key, value, kv_cache, slot_mapping, quant)
+                run = split_runner(self.layout, quant.kv_cache_dtype,
+                                   resolve_path(cache.device, path))
+                runners.put(sig, run)
+            runners.remember(0, sig, meta, kv_cache, quant, path, None, run)
         run((key, value, kv_cache, slot_mapping, quant.k_scale, quant.v_scale))
 
     def write_with_rope(self, query: torch.Tensor | None, key: torch.Tensor,
@@ -118,16 +124,21 @@ class SplitKVCacheWriter(WriterBase):
                         rope: RoPE, *, path: WritePath | None = None) -> None:
         """See :class:`~vllm.attention.FusedRoPEKVCacheWriter`: one kernel rotates
         ``query`` in place and stores the rotated keys and the values."""
-        sig = rope_signature(write_signature(key, value, kv_cache, slot_mapping, quant, path),
-                             query, positions, rope)
-        run = self._runners.get(sig)
+        runners = self._runners
+        meta = rope_meta(write_meta(key, value, slot_mapping), query, positions)
+        run = runners.recall(1, meta, kv_cache, quant, path, rope)
         if run is None:
-            cache = self._checked(key, value, kv_cache, slot_mapping, quant)
-            check_rope_inputs(query, key, slot_mapping, positions, rope, cache.device)
-            layout = self.layout
-            run = rope_runner(lambda c: split_kv_views(c, layout), quant.kv_cache_dtype,
-                              rope.style, query is not None, resolve_path(cache.device, path))
-            self._runners.put(sig, run)
+            sig = signature_of(meta, kv_cache, quant, path, rope)
+            run = runners.get(sig)
+            if run is None:
+                cache = self._checked(key, value, kv_cache, slot_mapping, quant)
+                check_rope_inputs(query, key, slot_mapping, positions, rope, cache.device)
+                layout = self.layout
+                run = rope_runner(lambda c: split_kv_views(c, layout), quant.kv_cache_dtype,
+                                  rope.style, query is not None,
+                                  resolve_path(cache.device, path))
+                runners.put(sig, run)
+            runners.remember(1, sig, meta, kv_cache, quant, path, rope, run)
         run((key, value, kv_cache, slot_mapping, quant.k_scale, quant.v_scale,
              key if query is None else query, positions, rope.cos_sin_cache))
 
