@@ -81,9 +81,27 @@ def test_tiled_equals_reference(layout: KVCacheLayout, dtype: str, cache_dtype: 
     assert torch.equal(raw(got), raw(want))
 
 
+def _mla_caches(view: str, storage: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Two equal ``[3, 8, 80]`` MLA cache views of random bytes and their base tensors:
+    ``contiguous`` and ``padded-rows`` (rows 80 of 96 wide) have each block follow the
+    last (the kernel's SLOT_LINEAR), ``strided-blocks`` (every other block of a larger
+    tensor) does not."""
+    shape = {"contiguous": (3, 8, 80), "padded-rows": (3, 8, 96), "strided-blocks": (6, 8, 80)}
+    base = torch.empty(shape[view], dtype=storage)
+    fill_random_bytes(base, 3)
+    other = base.clone()
+
+    def cut(b: torch.Tensor) -> torch.Tensor:
+        return b[..., :80] if view == "padded-rows" else b[::2] if view == "strided-blocks" else b
+
+    return cut(base), cut(other), base, other
+
+
+@pytest.mark.parametrize("view", ["contiguous", "padded-rows", "strided-blocks"])
 @pytest.mark.parametrize(("cache_dtype", "scale"), [("auto", 0.3), ("fp8_e4m3", 0.3),
                                                    ("fp8_e4m3", 1.0), ("fp8_e4m3", 0.125)])
-def test_tiled_mla_latent_equals_reference(cache_dtype: str, scale: float, kernel: str) -> None:
+def test_tiled_mla_latent_equals_reference(cache_dtype: str, scale: float, kernel: str,
+                                           view: str) -> None:
     g = torch.Generator().manual_seed(2)
     t = 11
     kv_c = torch.randn(t, 64, generator=g).to(torch.bfloat16)
@@ -92,12 +110,10 @@ def test_tiled_mla_latent_equals_reference(cache_dtype: str, scale: float, kerne
     slots[3] = -1
     quant = KVQuant(cache_dtype, torch.tensor([scale]), torch.tensor([scale]))  # type: ignore[arg-type]
     storage = torch.bfloat16 if cache_dtype == "auto" else torch.float8_e4m3fn
-    got = torch.empty(3, 8, 80, dtype=storage)
-    fill_random_bytes(got, 3)
-    want = got.clone()
+    got, want, got_base, want_base = _mla_caches(view, storage)
     MLALatentCacheWriter().write(kv_c, k_pe, got, slots, quant, path="triton")
     reference_write(L.MLA_LATENT, kv_c, k_pe, want, slots, quant)
-    assert torch.equal(raw(got), raw(want))
+    assert torch.equal(raw(got_base), raw(want_base))  # the padding and other blocks too
 
 
 def test_kernel_choice() -> None:
@@ -110,6 +126,14 @@ def test_kernel_choice() -> None:
     k5, v4 = legacy_paged_views(torch.zeros(2, 2, 16 * 2 * 8), 2, 8)
     assert tw.scatter_kernel_for(tw.ScatterTarget.x_split_key(k5),
                                  tw.ScatterTarget.head_major_value(v4)) == "generic"
+    # SLOT_LINEAR: blocks one after another (split K-first, MLA, padded rows), not when
+    # K and V blocks interleave (split NHD) or blocks are strided
+    assert not token_major[0].slot_linear
+    kf = split_kv_views(torch.zeros(2, 2, 16, 2, 8), L.SPLIT_KV_FIRST)[0]
+    assert tw.ScatterTarget.token_major(kf).slot_linear
+    for mla, linear in ((torch.zeros(3, 8, 80), True), (torch.zeros(3, 8, 96)[..., :80], True),
+                        (torch.zeros(6, 8, 80)[::2], False)):
+        assert tw.ScatterTarget.token_major(mla[..., None, :64]).slot_linear is linear
     assert tw.tokens_per_program(1, 1024) == 1
     assert tw.tokens_per_program(65536, 1024) == 2  # split bf16 and fp8, H=8, D=128
     assert tw.tokens_per_program(65536, 512) == 4  # MLA latent bf16 and fp8

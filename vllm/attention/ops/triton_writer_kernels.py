@@ -682,10 +682,12 @@ def scatter_kv_tiled_kernel(
     IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, SCALAR_S: tl.constexpr, HW_NAN: tl.constexpr = False,
+    SLOT_LINEAR: tl.constexpr = False,
 ) -> None:
     """One program per (BLOCK_T tokens, group of BLOCK_H heads) of a token-major cache
     (element ``(slot, h, d)`` at ``blk*sb + off*so + h*sh + d*sd``). MODE as
-    :func:`scatter_kv_kernel`."""
+    :func:`scatter_kv_kernel`. SLOT_LINEAR: each block follows the last in both targets
+    (``sb == block_size * so``), so ``blk*sb + off*so`` is ``slot*so``: no division."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     pid_h = tl.program_id(1)
     tm = t < num_tokens
@@ -698,9 +700,15 @@ def scatter_kv_tiled_kernel(
                              head_size_k, MODE, SCALAR_S, BLOCK_H, BLOCK_DK)
     vb, vs, vkind = _tile_load(t, tm, pid_h, v_ptr, v_st, v_sh, v_sd, vs_ptr, vs_sh, num_heads,
                              head_size_v, MODE, SCALAR_S, BLOCK_H, BLOCK_DV)
-    blk = slot // block_size
-    off = slot % block_size
-    _tile_store(kb, ks, ok, blk * kc_sb + off * kc_so, pid_h, kc_ptr, kc_sh, kc_sd, num_heads,
+    if SLOT_LINEAR:
+        k_row = slot * kc_so
+        v_row = slot * vc_so
+    else:
+        blk = slot // block_size
+        off = slot % block_size
+        k_row = blk * kc_sb + off * kc_so
+        v_row = blk * vc_sb + off * vc_so
+    _tile_store(kb, ks, ok, k_row, pid_h, kc_ptr, kc_sh, kc_sd, num_heads,
                 head_size_k, kkind, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_H, BLOCK_DK)
-    _tile_store(vb, vs, ok, blk * vc_sb + off * vc_so, pid_h, vc_ptr, vc_sh, vc_sd, num_heads,
+    _tile_store(vb, vs, ok, v_row, pid_h, vc_ptr, vc_sh, vc_sd, num_heads,
                 head_size_v, vkind, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_H, BLOCK_DV)

@@ -117,6 +117,13 @@ class ScatterTarget:
         return cls(v5, bx * x, h, d, sb, sh, sbx, sd, stride_off_lo=sx, off_split=x)
 
     @property
+    def slot_linear(self) -> bool:
+        """Whether each block follows the last (``stride_block == block_size *
+        stride_off_hi``, no x-split of the offset): slot ``s`` then starts at
+        ``s * stride_off_hi``, without dividing by the block size."""
+        return self.off_split == 1 and self.stride_block == self.block_size * self.stride_off_hi
+
+    @property
     def num_slots(self) -> int:
         """Slots of the cache (``num_blocks * block_size``): the kernels store nothing for
         a slot outside ``[0, num_slots)``."""
@@ -205,7 +212,8 @@ def scatter_kv_launch(
             {"IN_KIND": _IN_KIND[key.dtype], "MODE": mode,
              **_fp8_consts(mode, k_target.tensor.device),
              "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_DK": block_dk,
-             "BLOCK_DV": block_dv, "SCALAR_S": _one_scale(mode, k_scale, v_scale)},
+             "BLOCK_DV": block_dv, "SCALAR_S": _one_scale(mode, k_scale, v_scale),
+             "SLOT_LINEAR": k_target.slot_linear and v_target.slot_linear},
             roles=("slots", "key", "value", "cache", "cache", *scale_roles),
         )
     return Launch(
