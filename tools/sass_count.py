@@ -82,7 +82,7 @@ def launches() -> list[tuple[str, Any, tuple, dict]]:
     one = torch.ones(1)
     launch = tw.scatter_kv_launch(kv_c, pe, tw.ScatterTarget.token_major(latent.unsqueeze(2)),
                                   tw.ScatterTarget.token_major(rope.unsqueeze(2)), slots, 1,
-                                  one, one)
+                                  one, one, same_scale=True)
     for extra in ({}, {"FAST_DIV": True, "HW_NAN": True}):
         c = {**launch.constexprs, "HW_CVT": True, **extra}
         launch2 = dataclasses.replace(launch, constexprs=c)

@@ -190,6 +190,18 @@ def record_writers() -> list:
         tw.ScatterTarget.token_major(rope.unsqueeze(2)),
         tw.ScatterTarget.token_major(latent.unsqueeze(2)), slots, slots, torch.zeros(4096, 64),
         False, 0, scale[:1], scale[:1]))
+    mla8 = torch.zeros(300, 16, 576, dtype=torch.float8_e4m3fn)
+    latent8, rope8 = mla_latent_views(mla8, 512)
+    add("tiled-mla-fp8-hwcvt-fastdiv-hwnan", tw.scatter_kv_launch(
+        kv_c, pe, tw.ScatterTarget.token_major(latent8.unsqueeze(2)),
+        tw.ScatterTarget.token_major(rope8.unsqueeze(2)), slots, 1, scale[:1], scale[:1],
+        same_scale=True), HW_CVT=True, FAST_DIV=True, HW_NAN=True)
+    add("rope-mla-fp8-hwcvt-fastdiv-hwnan", tw.rope_kv_launch(
+        torch.zeros(t, 16, 64, dtype=torch.bfloat16), pe, kv_c,
+        tw.ScatterTarget.token_major(rope8.unsqueeze(2)),
+        tw.ScatterTarget.token_major(latent8.unsqueeze(2)), slots, slots, torch.zeros(4096, 64),
+        False, 1, scale[:1], scale[:1], same_scale=True), HW_CVT=True, FAST_DIV=True,
+        HW_NAN=True)
     add("tiled-mla-latent", tw.scatter_kv_launch(
         kv_c, pe, tw.ScatterTarget.token_major(latent.unsqueeze(2)),
         tw.ScatterTarget.token_major(rope.unsqueeze(2)), slots, 0, scale[:1], scale[:1]))

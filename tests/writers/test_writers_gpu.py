@@ -13,12 +13,13 @@ import zlib
 import pytest
 import torch
 
-from tests.helpers import every_16_bit_pattern
+from tests.helpers import every_16_bit_pattern, fill_random_bytes
 from tests.writers.oracle import Case, L, all_cases, check, edge_values, prepare, write
 from vllm.attention import KVQuant
 from vllm.attention.ops.triton_writers import triton_importable
 from vllm.attention.writers import (
     FP8DsMLACacheWriter,
+    MLALatentCacheWriter,
     PerTokenHeadKVCacheWriter,
     SplitKVCacheWriter,
     mla_writer_for_layout,
@@ -235,6 +236,43 @@ def test_fast_division_is_byte_identical_exhaustively(in_dtype: str, cache_dtype
                 f"FAST_DIV={fast} HW_NAN={hw_nan or 'default'} scales {chunk}: "
                 f"{diff.shape[0]} byte(s) differ, first at "
                 f"{diff[0].tolist()}")
+
+
+@needs_triton
+@pytest.mark.parametrize("tokens_per_program", ["one", "several"])
+def test_mla_fp8_write_is_byte_identical_exhaustively(tokens_per_program: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MLA latent fp8 write (one scale for both parts, loaded and inverted once:
+    SAME_SCALE; slots addressed without a division: SLOT_LINEAR) stores exactly the
+    reference's bytes: every bf16 pattern spread over the 512 latent and 64 rope values
+    of 114 tokens, against every scale of the split test, one and several tokens a
+    program, with FAST_DIV on and off."""
+    from vllm.attention.ops import triton_writers as tw
+
+    if tokens_per_program == "several":
+        monkeypatch.setattr(tw, "TILED_MIN_TOKENS", 1)
+    gen = torch.Generator().manual_seed(11)
+    x = every_16_bit_pattern(torch.bfloat16, 1).reshape(-1)
+    n = -(-x.numel() // 576)
+    x = torch.cat([x, x[: n * 576 - x.numel()]]).view(n, 576)
+    kv_c, k_pe = x[:, :512].contiguous(), x[:, 512:].contiguous().view(n, 1, 64)
+    for fast in ("1", "0"):
+        monkeypatch.setenv("VLLM_KV_FAST_DIV", fast)
+        w = MLALatentCacheWriter()
+        for scale in _division_scales(gen):
+            slots = torch.randperm(n + 16, generator=gen)[:n]
+            cache = torch.zeros(-(-(n + 16) // 16), 16, 576, dtype=torch.float8_e4m3fn)
+            fill_random_bytes(cache, n)
+            want = cache.clone()
+            s = torch.tensor([scale])
+            MLALatentCacheWriter().write(kv_c, k_pe, want, slots, KVQuant("fp8_e4m3", s, s),
+                                         path="torch")
+            got = cache.cuda()
+            sd = s.cuda()
+            w.write(kv_c.cuda(), k_pe.cuda(), got, slots.cuda(), KVQuant("fp8_e4m3", sd, sd))
+            diff = (got.cpu().view(torch.uint8) != want.view(torch.uint8)).nonzero()
+            assert diff.numel() == 0, (f"FAST_DIV={fast} scale {scale}: {diff.shape[0]} "
+                                       f"byte(s) differ, first at {diff[0].tolist()}")
 
 
 @needs_triton

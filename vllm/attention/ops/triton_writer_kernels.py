@@ -357,12 +357,15 @@ def _scale_kind(s: tl.tensor) -> tl.tensor:
 @jit
 def _load_scales(s_ptr: tl.tensor, s_sh: tl.tensor, h: tl.tensor, hm: tl.tensor,
                  MODE: tl.constexpr, SCALAR_S: tl.constexpr,
-                 BLOCK_H: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
-    """Heads ``h``'s fp8 scales ``[BLOCK_H]`` (ones for MODE 0, not loaded) and the
-    largest :func:`_scale_kind` among them (0 for MODE 0). SCALAR_S: one scale for every
-    head (a ``[1]`` scale), loaded and classified once, no cross-warp reduction."""
+                 BLOCK_H: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Heads ``h``'s fp8 scales ``[BLOCK_H]`` (ones for MODE 0, not loaded), their
+    reciprocals (``div_rn(1, s)``, computed once here for every store that follows) and
+    the largest :func:`_scale_kind` among them (0 for MODE 0). SCALAR_S: one scale for
+    every head (a ``[1]`` scale), loaded, inverted and classified once, no cross-warp
+    reduction."""
     if MODE == 0:
         s = tl.full((BLOCK_H,), 1.0, tl.float32)
+        r = s
         kind = 0
     elif SCALAR_S:
         s0 = tl.load(s_ptr)
@@ -371,14 +374,16 @@ def _load_scales(s_ptr: tl.tensor, s_sh: tl.tensor, h: tl.tensor, hm: tl.tensor,
     else:
         s = tl.load(s_ptr + h * s_sh, mask=hm, other=1.0)
         kind = tl.reduce(_scale_kind(s), 0, _max)
-    return s, kind
+    if MODE != 0:
+        r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)  # a splat's: one division
+    return s, r, kind
 
 
 @jit
-def _fp8_quotient(x: tl.tensor, s: tl.tensor) -> tl.tensor:
+def _fp8_quotient(x: tl.tensor, s: tl.tensor, r: tl.tensor) -> tl.tensor:
     """``x / s`` as the fp8 store that follows sees it, for scales ``s`` (broadcast
     against ``x``) of :func:`_scale_kind` 1 (compiled kernels only: it needs a true
-    fused multiply-add). One reciprocal ``r = 1/s`` per scale, then per element
+    fused multiply-add). ``r``: the correctly rounded reciprocals ``1/s``; per element
     ``q = x*r`` and one Markstein correction ``q + (x - q*s)*r`` (two FMAs; the
     remainder is exact). Where the correction is NaN (``x`` or ``q`` infinite) ``q``
     stands, and a zero quotient keeps ``q``'s sign (the correction alone would make
@@ -386,7 +391,6 @@ def _fp8_quotient(x: tl.tensor, s: tl.tensor) -> tl.tensor:
     is below 2**-40 or above 2**64, where both store the same fp8 byte
     (``tests/writers/test_fast_division.py`` checks the arithmetic on CPU, bit for bit,
     with an exact FMA; the GPU test every stored byte)."""
-    r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
     q = x * r
     q2 = tl.fma(tl.fma(q, -s, x), r, q)
     y = tl.where(q2 != q2, q, q2).to(tl.uint32, bitcast=True)
@@ -395,24 +399,24 @@ def _fp8_quotient(x: tl.tensor, s: tl.tensor) -> tl.tensor:
 
 
 @jit
-def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, s_kind: tl.tensor,
+def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, r: tl.tensor, s_kind: tl.tensor,
               mask: tl.tensor, IN_KIND: tl.constexpr, MODE: tl.constexpr,
               HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr, HW_NAN: tl.constexpr,
               IS_F32: tl.constexpr = False) -> None:
     """Store input-dtype ``bits`` as the cache stores them (MODE 0 copy, 1 E4M3, 2 E5M2)
-    after dividing by the scales ``s`` (broadcast against ``bits``); ``s_kind`` is
-    :func:`_load_scales`'s class of them. FAST_DIV: :func:`_fp8_quotient` for class 1.
+    after dividing by the scales ``s`` (broadcast against ``bits``); ``r`` and ``s_kind``
+    are :func:`_load_scales`'s reciprocals and class of them. FAST_DIV: :func:`_fp8_quotient` for class 1.
     HW_NAN: :func:`_fp8_store_bits`'s. IS_F32 (fp8 modes only): ``bits`` already holds
     the input's values as float32 (:func:`_rotate_pairs` with AS_F32)."""
     if MODE == 0:
         tl.store(dst, bits, mask=mask)
     else:
         x = bits if IS_F32 else _widen(bits, IN_KIND)
-        _store_fp8(dst, x, s, s_kind, mask, MODE, HW_CVT, FAST_DIV, HW_NAN)
+        _store_fp8(dst, x, s, r, s_kind, mask, MODE, HW_CVT, FAST_DIV, HW_NAN)
 
 
 @jit
-def _store_fp8(dst: tl.tensor, x: tl.tensor, s: tl.tensor, s_kind: tl.tensor,
+def _store_fp8(dst: tl.tensor, x: tl.tensor, s: tl.tensor, r: tl.tensor, s_kind: tl.tensor,
                mask: tl.tensor, MODE: tl.constexpr, HW_CVT: tl.constexpr,
                FAST_DIV: tl.constexpr, HW_NAN: tl.constexpr) -> None:
     """:func:`_store_as` of float32 values ``x`` (exactly the input's values) into an fp8
@@ -420,11 +424,10 @@ def _store_fp8(dst: tl.tensor, x: tl.tensor, s: tl.tensor, s_kind: tl.tensor,
     # each branch stores (no value leaves the runtime if: a yielded tile at 8 warps
     # stored other bytes on the H200, Triton 3.6)
     if s_kind == 0:
-        r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
         tl.store(dst, _fp8_store_bits(x * r, MODE, HW_CVT, False, HW_NAN), mask=mask)
     elif FAST_DIV:
         if s_kind == 1:
-            tl.store(dst, _fp8_store_bits(_fp8_quotient(x, s), MODE, HW_CVT, False, HW_NAN),
+            tl.store(dst, _fp8_store_bits(_fp8_quotient(x, s, r), MODE, HW_CVT, False, HW_NAN),
                      mask=mask)
         else:
             tl.store(dst, _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT, True, HW_NAN),
@@ -501,6 +504,7 @@ def rope_kv_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_PK: tl.constexpr, BLOCK_DV: tl.constexpr, CACHE_HINTS: tl.constexpr,
     SCALAR_S: tl.constexpr, FAST_DIV: tl.constexpr = False, HW_NAN: tl.constexpr = False,
+    SAME_SCALE: tl.constexpr = False,
 ) -> None:
     """One program per (token, head group): rotate ``q`` in place (groups below
     ``q_groups``), or rotate ``k`` and -- with WRITE -- store it and ``v`` at the token's
@@ -510,7 +514,7 @@ def rope_kv_kernel(
     and MODE as :func:`scatter_kv_kernel`. CACHE_HINTS (1 or 0): the cos/sin rows are
     loaded ``evict_last`` and the key/value rows ``evict_first``, so that the table rows
     of this step's positions stay in L2 for the next layer's call while the rows stream
-    through. SCALAR_S: ``[1]`` K and V scales (as :func:`scatter_kv_tiled_kernel`)."""
+    through. SCALAR_S, SAME_SCALE: as :func:`scatter_kv_tiled_kernel`."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     j = tl.arange(0, BLOCK_R)
@@ -555,10 +559,13 @@ def rope_kv_kernel(
             vl = live & hm[:, None] & (dv < head_size_v)[None, :]
             vbits = _ld(v_ptr + t * v_st + h[:, None] * v_sh + dv[None, :] * v_sd, vl,
                         CACHE_HINTS)
-            skh, kkind = _load_scales(ks_ptr, ks_sh, h, hm, MODE, SCALAR_S, BLOCK_HK)
-            svh, vkind = _load_scales(vs_ptr, vs_sh, h, hm, MODE, SCALAR_S, BLOCK_HK)
-            sk = skh[:, None]
-            sv = svh[:, None]
+            skh, rkh, kkind = _load_scales(ks_ptr, ks_sh, h, hm, MODE, SCALAR_S, BLOCK_HK)
+            if SAME_SCALE:
+                svh, rvh, vkind = skh, rkh, kkind
+            else:
+                svh, rvh, vkind = _load_scales(vs_ptr, vs_sh, h, hm, MODE, SCALAR_S, BLOCK_HK)
+            sk, rk = skh[:, None], rkh[:, None]
+            sv, rv = svh[:, None], rvh[:, None]
             # compiled fp8 writes take the rotated keys as float32 (hardware rounding to the
             # input dtype instead of the integer code; no bits in between)
             ROT_F32: tl.constexpr = MODE != 0 and HW_CVT
@@ -573,16 +580,18 @@ def rope_kv_kernel(
                     + h * kc_sh)
             k1 = kdst[:, None] + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, :]
             k2 = kdst[:, None] + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, :]
-            _store_as(k1, b1, sk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, ROT_F32)
-            _store_as(k2, b2, sk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, ROT_F32)
+            _store_as(k1, b1, sk, rk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN,
+                      ROT_F32)
+            _store_as(k2, b2, sk, rk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN,
+                      ROT_F32)
             if PASS_K:
                 _store_as(kdst[:, None] + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, :],
-                          pbits, sk, kkind, ok & pl, IN_KIND, MODE, HW_CVT, FAST_DIV,
+                          pbits, sk, rk, kkind, ok & pl, IN_KIND, MODE, HW_CVT, FAST_DIV,
                           HW_NAN)
             vdst = (vc_ptr + blk * vc_sb + (off // V_XO) * vc_so_hi + (off % V_XO) * vc_so_lo
                     + h * vc_sh)
             _store_as(vdst[:, None] + ((dv // V_XD) * vc_sd_hi + (dv % V_XD) * vc_sd_lo)[None, :],
-                      vbits, sv, vkind, ok & vl, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN)
+                      vbits, sv, rv, vkind, ok & vl, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN)
         else:
             m = hm[:, None] & jm[None, :]
             kx1 = tl.load(base[:, None] + i1[None, :] * k_sd, mask=m, other=0)
@@ -632,27 +641,22 @@ def _fp8_store_bits(y: tl.tensor, MODE: tl.constexpr, HW_CVT: tl.constexpr,
 
 @jit
 def _tile_load(
-    t: tl.tensor, tm: tl.tensor, pid_h: tl.tensor,
+    t: tl.tensor, tm: tl.tensor, h: tl.tensor, hm: tl.tensor,
     x_ptr: tl.tensor, x_st: tl.tensor, x_sh: tl.tensor, x_sd: tl.tensor,
-    s_ptr: tl.tensor, s_sh: tl.tensor, num_heads: tl.tensor, head_size: tl.tensor,
-    MODE: tl.constexpr, SCALAR_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """Input bits ``[BLOCK_T, BLOCK_H, D]`` of one operand, its per-head scales (ones for
-    MODE 0, not loaded) and their class (:func:`_load_scales`)."""
-    h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    head_size: tl.tensor, BLOCK_D: tl.constexpr,
+) -> tl.tensor:
+    """Input bits ``[BLOCK_T, BLOCK_H, D]`` of one operand (heads ``h``, in range ``hm``)."""
     d = tl.arange(0, BLOCK_D)
-    hm = h < num_heads
     load_mask = tm[:, None, None] & hm[None, :, None] & (d < head_size)[None, None, :]
     src = (x_ptr + t[:, None, None] * x_st + h[None, :, None] * x_sh
            + d[None, None, :] * x_sd)
-    bits = tl.load(src, mask=load_mask, other=0)
-    s, kind = _load_scales(s_ptr, s_sh, h, hm, MODE, SCALAR_S, BLOCK_H)
-    return bits, s, kind
+    return tl.load(src, mask=load_mask, other=0)
 
 
 @jit
 def _tile_store(
-    bits: tl.tensor, s: tl.tensor, ok: tl.tensor, row: tl.tensor, pid_h: tl.tensor,
+    bits: tl.tensor, s: tl.tensor, r: tl.tensor, ok: tl.tensor, row: tl.tensor,
+    pid_h: tl.tensor,
     c_ptr: tl.tensor, c_sh: tl.tensor, c_sd: tl.tensor, num_heads: tl.tensor,
     head_size: tl.tensor,
     s_kind: tl.tensor,
@@ -660,12 +664,13 @@ def _tile_store(
     HW_NAN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ) -> None:
     """Store :func:`_tile_load`'s rows; ``row`` ``[BLOCK_T]`` is each token's element offset
-    of ``(slot, head 0, dim 0)`` in the cache operand; ``s_kind`` from :func:`_tile_load`."""
+    of ``(slot, head 0, dim 0)`` in the cache operand; ``s``, ``r``, ``s_kind`` from
+    :func:`_load_scales`."""
     h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     store_mask = ok[:, None, None] & (h < num_heads)[None, :, None] & (d < head_size)[None, None, :]
     dst = c_ptr + row[:, None, None] + h[None, :, None] * c_sh + d[None, None, :] * c_sd
-    _store_as(dst, bits, s[None, :, None], s_kind, store_mask, IN_KIND, MODE, HW_CVT, FAST_DIV,
+    _store_as(dst, bits, s[None, :, None], r[None, :, None], s_kind, store_mask, IN_KIND, MODE, HW_CVT, FAST_DIV,
               HW_NAN)
 
 
@@ -682,12 +687,14 @@ def scatter_kv_tiled_kernel(
     IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, SCALAR_S: tl.constexpr, HW_NAN: tl.constexpr = False,
-    SLOT_LINEAR: tl.constexpr = False,
+    SLOT_LINEAR: tl.constexpr = False, SAME_SCALE: tl.constexpr = False,
 ) -> None:
     """One program per (BLOCK_T tokens, group of BLOCK_H heads) of a token-major cache
     (element ``(slot, h, d)`` at ``blk*sb + off*so + h*sh + d*sd``). MODE as
     :func:`scatter_kv_kernel`. SLOT_LINEAR: each block follows the last in both targets
-    (``sb == block_size * so``), so ``blk*sb + off*so`` is ``slot*so``: no division."""
+    (``sb == block_size * so``), so ``blk*sb + off*so`` is ``slot*so``: no division.
+    SAME_SCALE (with SCALAR_S): the caller passes one scale for K and V (the MLA latent
+    and rope parts), loaded, inverted and classified once."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     pid_h = tl.program_id(1)
     tm = t < num_tokens
@@ -696,10 +703,15 @@ def scatter_kv_tiled_kernel(
     # Every load before the first store: the stores may alias the inputs as far as the
     # compiler knows, so loads placed after a store would wait for it (one more memory
     # round trip on the latency-bound small writes).
-    kb, ks, kkind = _tile_load(t, tm, pid_h, k_ptr, k_st, k_sh, k_sd, ks_ptr, ks_sh, num_heads,
-                             head_size_k, MODE, SCALAR_S, BLOCK_H, BLOCK_DK)
-    vb, vs, vkind = _tile_load(t, tm, pid_h, v_ptr, v_st, v_sh, v_sd, vs_ptr, vs_sh, num_heads,
-                             head_size_v, MODE, SCALAR_S, BLOCK_H, BLOCK_DV)
+    h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    hm = h < num_heads
+    kb = _tile_load(t, tm, h, hm, k_ptr, k_st, k_sh, k_sd, head_size_k, BLOCK_DK)
+    vb = _tile_load(t, tm, h, hm, v_ptr, v_st, v_sh, v_sd, head_size_v, BLOCK_DV)
+    ks, kr, kkind = _load_scales(ks_ptr, ks_sh, h, hm, MODE, SCALAR_S, BLOCK_H)
+    if SAME_SCALE:
+        vs, vr, vkind = ks, kr, kkind
+    else:
+        vs, vr, vkind = _load_scales(vs_ptr, vs_sh, h, hm, MODE, SCALAR_S, BLOCK_H)
     if SLOT_LINEAR:
         k_row = slot * kc_so
         v_row = slot * vc_so
@@ -708,7 +720,7 @@ def scatter_kv_tiled_kernel(
         off = slot % block_size
         k_row = blk * kc_sb + off * kc_so
         v_row = blk * vc_sb + off * vc_so
-    _tile_store(kb, ks, ok, k_row, pid_h, kc_ptr, kc_sh, kc_sd, num_heads,
+    _tile_store(kb, ks, kr, ok, k_row, pid_h, kc_ptr, kc_sh, kc_sd, num_heads,
                 head_size_k, kkind, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_H, BLOCK_DK)
-    _tile_store(vb, vs, ok, v_row, pid_h, vc_ptr, vc_sh, vc_sd, num_heads,
+    _tile_store(vb, vs, vr, ok, v_row, pid_h, vc_ptr, vc_sh, vc_sd, num_heads,
                 head_size_v, vkind, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_H, BLOCK_DV)

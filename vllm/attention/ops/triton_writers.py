@@ -185,8 +185,11 @@ def scatter_kv_launch(
     mode: int,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    *,
+    same_scale: bool = False,
 ) -> Launch:
-    """:func:`scatter_kv`'s launch."""
+    """:func:`scatter_kv`'s launch. ``same_scale``: the caller always passes one ``[1]``
+    scale as both ``k_scale`` and ``v_scale`` (the MLA writers): it is loaded once."""
     scale_roles = ("k_scale", "v_scale")
     if mode == 0:  # unscaled: the scale pointers are never read; keep them on the device
         k_scale = v_scale = slot_mapping
@@ -213,7 +216,8 @@ def scatter_kv_launch(
              **_fp8_consts(mode, k_target.tensor.device),
              "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_DK": block_dk,
              "BLOCK_DV": block_dv, "SCALAR_S": _one_scale(mode, k_scale, v_scale),
-             "SLOT_LINEAR": k_target.slot_linear and v_target.slot_linear},
+             "SLOT_LINEAR": k_target.slot_linear and v_target.slot_linear,
+             "SAME_SCALE": same_scale and _one_scale(mode, k_scale, v_scale)},
             roles=("slots", "key", "value", "cache", "cache", *scale_roles),
         )
     return Launch(
@@ -434,9 +438,10 @@ def _rope_launch(
     neox: bool,
     write: tuple[torch.Tensor, ScatterTarget, ScatterTarget, torch.Tensor, int,
                  torch.Tensor, torch.Tensor] | None,
+    same_scale: bool = False,
 ) -> Launch:
     """``write``: ``(value, k_target, v_target, slot_mapping, mode, k_scale, v_scale)``,
-    or None to rotate ``key`` in place."""
+    or None to rotate ``key`` in place; ``same_scale`` as :func:`scatter_kv_launch`'s."""
     n = positions.shape[0]
     hk, dk = key.shape[1], key.shape[2]
     half = cos_sin_cache.shape[1] // 2
@@ -497,7 +502,8 @@ def _rope_launch(
         "WRITE": write is not None, "PASS_K": pass_k, **xsplit,
         "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_R": block_r,
         "BLOCK_PK": block_pk, "BLOCK_DV": block_dv, "CACHE_HINTS": 1,
-        "SCALAR_S": scalar_s, **_fp8_consts(mode, key.device)}
+        "SCALAR_S": scalar_s, "SAME_SCALE": same_scale and scalar_s,
+        **_fp8_consts(mode, key.device)}
     roles = ("positions", "cos_sin", *q_role, "key", *w_roles)
     options = dict(ROPE_OPTIONS)
     if mode != 0 and rows >= ROPE_FEW_WARPS_FROM:
@@ -535,13 +541,17 @@ def rope_kv_launch(
     mode: int,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    *,
+    same_scale: bool = False,
 ) -> Launch:
     """Fused RoPE + write: rotate ``query`` rows ``[0, N)`` in place (``N =
     positions.shape[0]``; None: no query), and store the rotated ``key`` rows and the
     ``value`` rows of the ``T = slot_mapping.shape[0]`` tokens through the targets as
-    :func:`scatter_kv` does (``key`` itself is not modified)."""
+    :func:`scatter_kv` does (``key`` itself is not modified). ``same_scale`` as
+    :func:`scatter_kv_launch`'s."""
     return _rope_launch(query, key, positions, cos_sin_cache, neox,
-                        (value, k_target, v_target, slot_mapping, mode, k_scale, v_scale))
+                        (value, k_target, v_target, slot_mapping, mode, k_scale, v_scale),
+                        same_scale)
 
 
 # -- cached launches ----------------------------------------------------------------------

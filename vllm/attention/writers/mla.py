@@ -94,7 +94,7 @@ class MLALatentCacheWriter(WriterBase):
                                                         slot_mapping, quant)
                 lora = kv_c.shape[1]
                 run = views_runner(lambda c: _latent_rope_views(c, lora), both.kv_cache_dtype,
-                                   resolve_path(cache.device, path))
+                                   resolve_path(cache.device, path), same_scale=True)
                 runners.put(sig, run)
             runners.remember(0, sig, meta, kv_cache, quant, path, None, run)
         ks = quant.k_scale
@@ -122,7 +122,7 @@ class MLALatentCacheWriter(WriterBase):
                 # the rotated operand is the rope part: "key" = k_pe, "value" = the latent
                 run = rope_runner(lambda c: _rope_latent_views(c, lora), both.kv_cache_dtype,
                                   rope.style, query_pe is not None,
-                                  resolve_path(cache.device, path))
+                                  resolve_path(cache.device, path), same_scale=True)
                 runners.put(sig, run)
             runners.remember(1, sig, meta, kv_cache, quant, path, rope, run)
         ks = quant.k_scale

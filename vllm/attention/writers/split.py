@@ -165,8 +165,10 @@ def split_runner(layout: KVCacheLayout, cache_dtype: KVCacheDType, path: WritePa
     return views_runner(lambda c: split_kv_views(c, layout), cache_dtype, path)
 
 
-def views_runner(views: Views, cache_dtype: KVCacheDType, path: WritePath) -> Runner:
-    """The runner of a validated write through ``views`` of the cache."""
+def views_runner(views: Views, cache_dtype: KVCacheDType, path: WritePath, *,
+                 same_scale: bool = False) -> Runner:
+    """The runner of a validated write through ``views`` of the cache. ``same_scale``:
+    the caller's live ``k_scale`` and ``v_scale`` are always one tensor (MLA)."""
     if path == "triton":
         mode = scatter_mode(cache_dtype)
 
@@ -174,7 +176,7 @@ def views_runner(views: Views, cache_dtype: KVCacheDType, path: WritePath) -> Ru
             k_view, v_view = views(live[2])
             return scatter_kv_launch(live[0], live[1], ScatterTarget.token_major(k_view),
                                      ScatterTarget.token_major(v_view), live[3], mode,
-                                     live[4], live[5])
+                                     live[4], live[5], same_scale=same_scale)
 
         return CachedLaunch(build)
 
@@ -187,9 +189,10 @@ def views_runner(views: Views, cache_dtype: KVCacheDType, path: WritePath) -> Ru
 
 
 def rope_runner(views: Views, cache_dtype: KVCacheDType, style: str, has_query: bool,
-                path: WritePath) -> Runner:
+                path: WritePath, *, same_scale: bool = False) -> Runner:
     """The runner of a validated fused RoPE write (live tensors: key, value, cache, slots,
-    k_scale, v_scale, query (the key when there is none), positions, cos_sin_cache)."""
+    k_scale, v_scale, query (the key when there is none), positions, cos_sin_cache);
+    ``same_scale`` as :func:`views_runner`'s."""
     neox = style == "neox"
     if path == "triton":
         mode = scatter_mode(cache_dtype)
@@ -199,7 +202,8 @@ def rope_runner(views: Views, cache_dtype: KVCacheDType, style: str, has_query: 
             return rope_kv_launch(live[6] if has_query else None, live[0], live[1],
                                   ScatterTarget.token_major(k_view),
                                   ScatterTarget.token_major(v_view), live[3], live[7],
-                                  live[8], neox, mode, live[4], live[5])
+                                  live[8], neox, mode, live[4], live[5],
+                                  same_scale=same_scale)
 
         return CachedLaunch(build)
 
