@@ -181,7 +181,7 @@ def build(cfg: Config, n: int, args: argparse.Namespace, device: torch.device,
             launch = scatter_kv_launch(
                 kv_c.unsqueeze(1), k_pe.unsqueeze(1), ScatterTarget.token_major(lat.unsqueeze(2)),
                 ScatterTarget.token_major(rope.unsqueeze(2)), slots,
-                scatter_mode(cfg.cache_dtype), scale, scale)
+                scatter_mode(cfg.cache_dtype), scale, scale, same_scale=True)  # as the writer
         return Setup(write_mla, launch, cache, read + written, (kv_c, k_pe, slots))
     key = torch.randn(n, h, d, generator=gen).to(model).to(device)
     value = torch.randn(n, h, d, generator=gen).to(model).to(device)

@@ -165,3 +165,30 @@ def test_scalar_scale_every_bf16_pattern(monkeypatch: pytest.MonkeyPatch) -> Non
         reference_write(L.SPLIT_NHD, x, value, want, slots, quant)
         diff = (raw(got) != raw(want)).nonzero()
         assert diff.numel() == 0, f"scale {scale}: {diff.shape[0]} byte(s) differ"
+
+
+def test_mla_writer_launch_loads_its_one_scale_once() -> None:
+    """The MLA writer's launch declares SAME_SCALE (its k_scale serves both parts) and,
+    on a contiguous cache, SLOT_LINEAR; the split writer's declares neither."""
+    from vllm.attention.writers.launch_cache import signature_of, write_meta
+
+    s = torch.tensor([0.37])
+    quant = KVQuant("fp8_e4m3", s, s)
+    kv_c, k_pe = torch.randn(3, 64).to(torch.bfloat16), torch.randn(3, 1, 16).to(torch.bfloat16)
+    cache = torch.zeros(2, 8, 80, dtype=torch.float8_e4m3fn)
+    slots = torch.tensor([0, 5, 9])
+    w = MLALatentCacheWriter()
+    w.write(kv_c, k_pe, cache, slots, quant, path="triton")
+    run = w._runners.get(signature_of(write_meta(kv_c, k_pe, slots), cache, quant, "triton"))
+    assert isinstance(run, tw.CachedLaunch)
+    live = (kv_c.unsqueeze(1), k_pe, cache, slots, s, s)
+    consts = run._build(live).constexprs
+    assert consts["SAME_SCALE"] and consts["SLOT_LINEAR"]
+    key, value = torch.randn(3, 2, 32).to(torch.bfloat16), torch.randn(3, 2, 32).to(torch.bfloat16)
+    split_cache = torch.zeros(2, 2, 8, 2, 32, dtype=torch.float8_e4m3fn)
+    sw = SplitKVCacheWriter(L.SPLIT_NHD)
+    sw.write(key, value, split_cache, slots, quant, path="triton")
+    srun = next(iter(sw._runners.values()))
+    assert isinstance(srun, tw.CachedLaunch)
+    sconsts = srun._build((key, value, split_cache, slots, s, s)).constexprs
+    assert not sconsts["SAME_SCALE"] and not sconsts["SLOT_LINEAR"]
