@@ -437,6 +437,18 @@ def _store_fp8(dst: tl.tensor, x: tl.tensor, s: tl.tensor, r: tl.tensor, s_kind:
 
 
 @jit
+def _round_to_bf16_pairs(x: tl.tensor) -> tl.tensor:
+    """float32 ``x`` rounded to bfloat16 (to nearest even) and widened back, two elements
+    per conversion (``cvt.rn.bf16x2.f32``, one packed instruction where the per-element
+    ``cvt.rn.bf16.f32`` takes one each; the halves are widened by a shift and a mask).
+    Compiled kernels only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; "
+        "and.b32 $1, t, 0xffff0000; }",
+        "=r,=r,r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+
+
+@jit
 def _rotate_pairs(
     x1: tl.tensor, x2: tl.tensor, c: tl.tensor, s: tl.tensor, IN_KIND: tl.constexpr,
     AS_F32: tl.constexpr = False,
@@ -457,8 +469,8 @@ def _rotate_pairs(
         r1 = o1.to(tl.float16).to(tl.float32)
         r2 = o2.to(tl.float16).to(tl.float32)
     elif IN_KIND == 2:
-        r1 = o1.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
-        r2 = o2.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+        r1 = _round_to_bf16_pairs(o1)
+        r2 = _round_to_bf16_pairs(o2)
     else:
         r1 = o1
         r2 = o2
@@ -476,9 +488,15 @@ def _rotate_at(
     at ``pos_ptr``: the position is loaded here, after the caller's row loads, so the
     rows do not wait for it (``evict_last`` on the table with CACHE_HINTS)."""
     pos = tl.load(pos_ptr)
-    c = _load_f32(cs_ptr + pos * cs_sp + j * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
-    s = _load_f32(cs_ptr + pos * cs_sp + (j + half) * cs_sd, jm, CS_KIND, 2 * CACHE_HINTS)
-    o1, o2 = _rotate_pairs(x1, x2, c[None, :], s[None, :], IN_KIND, AS_F32)
+    # the table row is loaded in the rows' own layout (each thread the columns it
+    # rotates; repeats hit L1): a [BLOCK_R] load broadcast to the rows would be
+    # exchanged through shared memory, behind two barriers
+    zero = tl.zeros(x1.shape, tl.int32)
+    row = cs_ptr + pos * cs_sp + zero
+    m2 = jm[None, :] & (zero == 0)
+    c = _load_f32(row + (j * cs_sd)[None, :], m2, CS_KIND, 2 * CACHE_HINTS)
+    s = _load_f32(row + ((j + half) * cs_sd)[None, :], m2, CS_KIND, 2 * CACHE_HINTS)
+    o1, o2 = _rotate_pairs(x1, x2, c, s, IN_KIND, AS_F32)
     return o1, o2
 
 

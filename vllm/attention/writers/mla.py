@@ -94,11 +94,12 @@ class MLALatentCacheWriter(WriterBase):
                                                         slot_mapping, quant)
                 lora = kv_c.shape[1]
                 run = views_runner(lambda c: _latent_rope_views(c, lora), both.kv_cache_dtype,
-                                   resolve_path(cache.device, path), same_scale=True)
+                                   resolve_path(cache.device, path), same_scale=True,
+                                   rows=_as_rows)
                 runners.put(sig, run)
             runners.remember(0, sig, meta, kv_cache, quant, path, None, run)
         ks = quant.k_scale
-        run((_as_rows(kv_c_normed), _as_rows(k_pe), kv_cache, slot_mapping, ks, ks))
+        run((kv_c_normed, k_pe, kv_cache, slot_mapping, ks, ks))
 
     def write_with_rope(self, query_pe: torch.Tensor | None, kv_c_normed: torch.Tensor,
                         k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -122,13 +123,13 @@ class MLALatentCacheWriter(WriterBase):
                 # the rotated operand is the rope part: "key" = k_pe, "value" = the latent
                 run = rope_runner(lambda c: _rope_latent_views(c, lora), both.kv_cache_dtype,
                                   rope.style, query_pe is not None,
-                                  resolve_path(cache.device, path), same_scale=True)
+                                  resolve_path(cache.device, path), same_scale=True,
+                                  rows=_as_rows)
                 runners.put(sig, run)
             runners.remember(1, sig, meta, kv_cache, quant, path, rope, run)
         ks = quant.k_scale
-        pe3 = _as_rows(k_pe)
-        run((pe3, _as_rows(kv_c_normed), kv_cache, slot_mapping, ks, ks,
-             pe3 if query_pe is None else query_pe, positions, rope.cos_sin_cache))
+        run((k_pe, kv_c_normed, kv_cache, slot_mapping, ks, ks,
+             k_pe if query_pe is None else query_pe, positions, rope.cos_sin_cache))
 
     def clear_launch_cache(self) -> None:
         """Forget every validated signature (the next call of each is checked again)."""

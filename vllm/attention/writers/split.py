@@ -156,6 +156,12 @@ class SplitKVCacheWriter(WriterBase):
 
 
 Views = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Rows = Callable[[torch.Tensor], torch.Tensor] | None
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
 """The ``[nb, bs, H, D]`` K and V (for MLA: rope and latent) views of a cache tensor."""
 
 
@@ -166,15 +172,19 @@ def split_runner(layout: KVCacheLayout, cache_dtype: KVCacheDType, path: WritePa
 
 
 def views_runner(views: Views, cache_dtype: KVCacheDType, path: WritePath, *,
-                 same_scale: bool = False) -> Runner:
+                 same_scale: bool = False, rows: Rows = None) -> Runner:
     """The runner of a validated write through ``views`` of the cache. ``same_scale``:
-    the caller's live ``k_scale`` and ``v_scale`` are always one tensor (MLA)."""
+    the caller's live ``k_scale`` and ``v_scale`` are always one tensor (MLA). ``rows``:
+    makes the live key and value ``[T, H, D]`` (a view at the same address: MLA's
+    ``[T, W]`` rows), applied when a launch is built, not on every call."""
+    as_rows = rows if rows is not None else _same
     if path == "triton":
         mode = scatter_mode(cache_dtype)
 
         def build(live: Sequence[torch.Tensor]) -> Launch:
             k_view, v_view = views(live[2])
-            return scatter_kv_launch(live[0], live[1], ScatterTarget.token_major(k_view),
+            return scatter_kv_launch(as_rows(live[0]), as_rows(live[1]),
+                                     ScatterTarget.token_major(k_view),
                                      ScatterTarget.token_major(v_view), live[3], mode,
                                      live[4], live[5], same_scale=same_scale)
 
@@ -182,24 +192,26 @@ def views_runner(views: Views, cache_dtype: KVCacheDType, path: WritePath, *,
 
     def reference(live: Sequence[torch.Tensor]) -> None:
         k_view, v_view = views(live[2])
-        reference_split_write(live[0], live[1], k_view, v_view, live[3],
+        reference_split_write(as_rows(live[0]), as_rows(live[1]), k_view, v_view, live[3],
                               KVQuant(cache_dtype, live[4], live[5]))
 
     return reference
 
 
 def rope_runner(views: Views, cache_dtype: KVCacheDType, style: str, has_query: bool,
-                path: WritePath, *, same_scale: bool = False) -> Runner:
+                path: WritePath, *, same_scale: bool = False, rows: Rows = None) -> Runner:
     """The runner of a validated fused RoPE write (live tensors: key, value, cache, slots,
     k_scale, v_scale, query (the key when there is none), positions, cos_sin_cache);
-    ``same_scale`` as :func:`views_runner`'s."""
+    ``same_scale`` and ``rows`` (for the key and value) as :func:`views_runner`'s."""
     neox = style == "neox"
+    as_rows = rows if rows is not None else _same
     if path == "triton":
         mode = scatter_mode(cache_dtype)
 
         def build(live: Sequence[torch.Tensor]) -> Launch:
             k_view, v_view = views(live[2])
-            return rope_kv_launch(live[6] if has_query else None, live[0], live[1],
+            return rope_kv_launch(live[6] if has_query else None, as_rows(live[0]),
+                                  as_rows(live[1]),
                                   ScatterTarget.token_major(k_view),
                                   ScatterTarget.token_major(v_view), live[3], live[7],
                                   live[8], neox, mode, live[4], live[5],
@@ -210,7 +222,8 @@ def rope_runner(views: Views, cache_dtype: KVCacheDType, style: str, has_query: 
     def reference(live: Sequence[torch.Tensor]) -> None:
         k_view, v_view = views(live[2])
         scatter_kv_views_with_rope(
-            live[6] if has_query else None, live[0], live[1], k_view, v_view, live[3],
+            live[6] if has_query else None, as_rows(live[0]), as_rows(live[1]), k_view, v_view,
+            live[3],
             KVQuant(cache_dtype, live[4], live[5]), live[7],
             RoPE(live[8], "neox" if neox else "gptj"), path="torch")
 
