@@ -89,6 +89,20 @@ def launches() -> list[tuple[str, Any, tuple, dict]]:
         name = "mla-fp8-T65536" + ("-fastdiv-hwnan" if extra else "-hwcvt")
         calls.append((name, getattr(kern, launch.kernel), launch2.args,
                       {**launch2.constexprs, **launch2.options}))
+    # bench_fused_rope's 3b launch: keys only, T=8192, split NHD fp8, [1] scales
+    from vllm.attention.layouts import split_kv_views
+    from vllm.attention.types import KVCacheLayout
+
+    n = 8192
+    key = torch.zeros(n, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(n // 16 + 1, 2, 16, 8, 128, dtype=torch.float8_e4m3fn)
+    kt, vt = (tw.ScatterTarget.token_major(x)
+              for x in split_kv_views(cache, KVCacheLayout.SPLIT_NHD))
+    rl = tw.rope_kv_launch(None, key, key, kt, vt, slots[:n], slots[:n],
+                           torch.zeros(4096, 128), True, 1, one, one.clone())
+    c = {**rl.constexprs, "HW_CVT": True, "FAST_DIV": True, "HW_NAN": True}
+    calls.append(("rope3b-fp8-T8192-fastdiv-hwnan", getattr(kern, rl.kernel), rl.args,
+                  {**c, **rl.options}))
     return calls
 
 
