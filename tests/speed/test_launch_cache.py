@@ -43,17 +43,22 @@ def _args(t: int = 3, dtype: torch.dtype = torch.float32, cache_dtype: str = "au
     return key, value, cache, slots, KVQuant(cache_dtype, torch.ones(1), torch.ones(1))  # type: ignore[arg-type]
 
 
+def _count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of ``split_mod.<name>`` (still calling it)."""
+    calls = [0]
+    real = getattr(split_mod, name)
+
+    def counting(*a: Any, **k: Any) -> Any:
+        calls[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(split_mod, name, counting)
+    return calls
+
+
 @pytest.fixture
 def count_validations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls = [0]
-    real = split_mod.validate_kv_views
-
-    def counting(*a: Any, **k: Any) -> None:
-        calls[0] += 1
-        real(*a, **k)
-
-    monkeypatch.setattr(split_mod, "validate_kv_views", counting)
-    return calls
+    return _count_calls(monkeypatch, "validate_kv_views")
 
 
 def test_repeat_signature_validates_once(count_validations: list[int]) -> None:
@@ -199,15 +204,7 @@ def test_mla_writer_caches_and_still_rejects() -> None:
 
 @pytest.fixture
 def count_signatures(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls = [0]
-    real = split_mod.signature_of
-
-    def counting(*a: Any, **k: Any) -> Any:
-        calls[0] += 1
-        return real(*a, **k)
-
-    monkeypatch.setattr(split_mod, "signature_of", counting)
-    return calls
+    return _count_calls(monkeypatch, "signature_of")
 
 
 def test_repeat_call_is_recalled_without_a_signature(count_signatures: list[int],
