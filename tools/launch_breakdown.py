@@ -101,8 +101,8 @@ def main() -> int:
     }
     src = run.binding.source
     glob = run.binding.call.__globals__
-    call_line = [ln for ln in src.splitlines() if ln.strip().startswith("raw(")][0]
-    prebuilt = eval("(" + call_line.strip()[4:-1] + ",)",  # noqa: S307
+    call_line = next(ln for ln in src.splitlines() if ln.strip().startswith("raw("))
+    prebuilt = eval("(" + call_line.strip()[4:-1] + ",)",
                     dict(glob, b0=key.data_ptr(), b1=key.data_ptr(), b2=cache.data_ptr(),
                          b3=slots.data_ptr(), get_stream=glob["get_stream"]))
     parts["raw launch, the writer's prebuilt arguments"] = functools.partial(glob["raw"], *prebuilt)

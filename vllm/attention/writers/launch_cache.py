@@ -109,7 +109,7 @@ class _Recent:
     keeps a freed cache alive), the cache's shape and strides (an in-place metadata
     change of the same tensor), and the per-step :data:`Meta`."""
 
-    __slots__ = ("meta", "cache", "shape", "stride", "quant", "path", "rope", "run")
+    __slots__ = ("cache", "meta", "path", "quant", "rope", "run", "shape", "stride")
 
     def __init__(self, meta: Meta, kv_cache: torch.Tensor, quant: KVQuant, path: str | None,
                  rope: RoPE | None, run: Runner) -> None:
