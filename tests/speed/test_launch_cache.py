@@ -25,6 +25,7 @@ from vllm.attention.ops import triton_writers as tw
 from vllm.attention.rope import RoPE
 from vllm.attention.types import KVCacheLayout
 from vllm.attention.writers import MLALatentCacheWriter, SplitKVCacheWriter
+from vllm.attention.writers import launch_cache as launch_cache_mod
 from vllm.attention.writers import split as split_mod
 from vllm.attention.writers.launch_cache import MAX_SIGNATURES, write_signature
 
@@ -43,22 +44,22 @@ def _args(t: int = 3, dtype: torch.dtype = torch.float32, cache_dtype: str = "au
     return key, value, cache, slots, KVQuant(cache_dtype, torch.ones(1), torch.ones(1))  # type: ignore[arg-type]
 
 
-def _count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
-    """Count the calls of ``split_mod.<name>`` (still calling it)."""
+def _count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """Count the calls of ``module.<name>`` (still calling it)."""
     calls = [0]
-    real = getattr(split_mod, name)
+    real = getattr(module, name)
 
     def counting(*a: Any, **k: Any) -> Any:
         calls[0] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(split_mod, name, counting)
+    monkeypatch.setattr(module, name, counting)
     return calls
 
 
 @pytest.fixture
 def count_validations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    return _count_calls(monkeypatch, "validate_kv_views")
+    return _count_calls(monkeypatch, split_mod, "validate_kv_views")
 
 
 def test_repeat_signature_validates_once(count_validations: list[int]) -> None:
@@ -204,7 +205,7 @@ def test_mla_writer_caches_and_still_rejects() -> None:
 
 @pytest.fixture
 def count_signatures(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    return _count_calls(monkeypatch, "signature_of")
+    return _count_calls(monkeypatch, launch_cache_mod, "signature_of")
 
 
 def test_repeat_call_is_recalled_without_a_signature(count_signatures: list[int],

@@ -128,7 +128,8 @@ class SignatureCache(dict[Signature | None, Runner]):
     would grow past :data:`MAX_SIGNATURES`.
 
     Before the signature, :meth:`recall` matches the call against the last validated
-    call of the same entry point (``write`` / ``write_with_rope``): the same cache,
+    call of the same entry point (``write``, or ``write_with_rope``: a call with a
+    ``rope``): the same cache,
     :class:`KVQuant`, path and RoPE objects, the cache's shape and strides unchanged, and
     equal per-step :data:`Meta`. A match has the signature of that call, so it runs
     its runner without building and hashing the signature (a T=1 step re-reads the
@@ -138,11 +139,11 @@ class SignatureCache(dict[Signature | None, Runner]):
         super().__init__()
         self._recent: list[_Recent | None] = [None, None]
 
-    def recall(self, entry: int, meta: Meta | None, kv_cache: torch.Tensor, quant: KVQuant,
+    def recall(self, meta: Meta | None, kv_cache: torch.Tensor, quant: KVQuant,
                path: str | None, rope: RoPE | None = None) -> Runner | None:
-        """The runner of the last validated call of ``entry`` (0 write, 1 write_with_rope)
-        when this call matches it, else None."""
-        r = self._recent[entry]
+        """The runner of the last validated call of the same entry point when this call
+        matches it, else None (the hot path: no allocation)."""
+        r = self._recent[rope is not None]
         if (r is None or meta is None or r.cache() is not kv_cache or r.quant() is not quant
                 or path is not r.path or meta != r.meta
                 or (rope is not None and (r.rope is None or r.rope() is not rope))
@@ -150,19 +151,26 @@ class SignatureCache(dict[Signature | None, Runner]):
             return None
         return r.run
 
+    def lookup(self, meta: Meta | None, kv_cache: torch.Tensor, quant: KVQuant,
+               path: str | None, rope: RoPE | None, make: Callable[[], Runner]) -> Runner:
+        """After a failed :meth:`recall`: the runner of this call's signature, or
+        ``make()`` (which runs every check and raises on a bad call) stored under it; the
+        call is then the one :meth:`recall` matches next."""
+        sig = signature_of(meta, kv_cache, quant, path, rope)
+        run = self.get(sig)
+        if run is None:
+            run = make()
+            self.put(sig, run)
+        if sig is not None and meta is not None:
+            self._recent[rope is not None] = _Recent(meta, kv_cache, quant, path, rope, run)
+        return run
+
     def put(self, sig: Signature | None, runner: Runner) -> None:
         if sig is None:
             return
         if len(self) >= MAX_SIGNATURES:
-            dict.clear(self)
+            dict.clear(self)  # the recalled calls stay valid: keep them
         self[sig] = runner
-
-    def remember(self, entry: int, sig: Signature | None, meta: Meta | None,
-                 kv_cache: torch.Tensor, quant: KVQuant, path: str | None,
-                 rope: RoPE | None, runner: Runner) -> None:
-        """Keep a validated call (``sig`` not None) for :meth:`recall`."""
-        if sig is not None and meta is not None:
-            self._recent[entry] = _Recent(meta, kv_cache, quant, path, rope, runner)
 
     def clear(self) -> None:
         """Forget every signature and the recalled calls."""

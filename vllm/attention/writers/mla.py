@@ -16,12 +16,7 @@ from vllm.attention.layouts import mla_latent_views
 from vllm.attention.rope import RoPE
 from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
-from vllm.attention.writers.launch_cache import (
-    SignatureCache,
-    rope_meta,
-    signature_of,
-    write_meta,
-)
+from vllm.attention.writers.launch_cache import Runner, SignatureCache, rope_meta, write_meta
 from vllm.attention.writers.split import (
     SPLIT_CACHE_DTYPES,
     check_rope_inputs,
@@ -83,21 +78,18 @@ class MLALatentCacheWriter(WriterBase):
               path: WritePath | None = None) -> None:
         """See :class:`~vllm.attention.MLAKVCacheWriter`; ``kv_cache``: ``(nb, bs, L + R)``;
         ``quant.k_scale`` (``[1]``) scales both parts, ``v_scale`` is unused."""
-        runners = self._runners
         meta = write_meta(kv_c_normed, k_pe, slot_mapping)
-        run = runners.recall(0, meta, kv_cache, quant, path)
+        run = self._runners.recall(meta, kv_cache, quant, path)
         if run is None:
-            sig = signature_of(meta, kv_cache, quant, path)
-            run = runners.get(sig)
-            if run is None:
+            def make() -> Runner:
                 kv_c, _, _, cache, both = self._checked(kv_c_normed, k_pe, kv_cache,
                                                         slot_mapping, quant)
                 lora = kv_c.shape[1]
-                run = views_runner(lambda c: _latent_rope_views(c, lora), both.kv_cache_dtype,
-                                   resolve_path(cache.device, path), same_scale=True,
-                                   rows=_as_rows)
-                runners.put(sig, run)
-            runners.remember(0, sig, meta, kv_cache, quant, path, None, run)
+                return views_runner(lambda c: _latent_rope_views(c, lora),
+                                    both.kv_cache_dtype, resolve_path(cache.device, path),
+                                    same_scale=True, rows=_as_rows)
+
+            run = self._runners.lookup(meta, kv_cache, quant, path, None, make)
         ks = quant.k_scale
         run((kv_c_normed, k_pe, kv_cache, slot_mapping, ks, ks))
 
@@ -108,25 +100,22 @@ class MLALatentCacheWriter(WriterBase):
         """See :class:`~vllm.attention.FusedRoPEMLAKVCacheWriter`: one kernel rotates
         ``query_pe`` ``[>= N, num_heads, rope_dim]`` in place and stores the latent and
         the rotated ``k_pe``."""
-        runners = self._runners
         meta = rope_meta(write_meta(kv_c_normed, k_pe, slot_mapping), query_pe, positions)
-        run = runners.recall(1, meta, kv_cache, quant, path, rope)
+        run = self._runners.recall(meta, kv_cache, quant, path, rope)
         if run is None:
-            sig = signature_of(meta, kv_cache, quant, path, rope)
-            run = runners.get(sig)
-            if run is None:
+            def make() -> Runner:
                 kv_c, pe, slots, cache, both = self._checked(kv_c_normed, k_pe, kv_cache,
                                                              slot_mapping, quant)
                 check_rope_inputs(query_pe, pe.unsqueeze(1), slots, positions, rope,
                                   cache.device)
                 lora = kv_c.shape[1]
                 # the rotated operand is the rope part: "key" = k_pe, "value" = the latent
-                run = rope_runner(lambda c: _rope_latent_views(c, lora), both.kv_cache_dtype,
-                                  rope.style, query_pe is not None,
-                                  resolve_path(cache.device, path), same_scale=True,
-                                  rows=_as_rows)
-                runners.put(sig, run)
-            runners.remember(1, sig, meta, kv_cache, quant, path, rope, run)
+                return rope_runner(lambda c: _rope_latent_views(c, lora),
+                                   both.kv_cache_dtype, rope.style, query_pe is not None,
+                                   resolve_path(cache.device, path), same_scale=True,
+                                   rows=_as_rows)
+
+            run = self._runners.lookup(meta, kv_cache, quant, path, rope, make)
         ks = quant.k_scale
         run((k_pe, kv_c_normed, kv_cache, slot_mapping, ks, ks,
              k_pe if query_pe is None else query_pe, positions, rope.cos_sin_cache))

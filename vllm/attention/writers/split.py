@@ -30,7 +30,6 @@ from vllm.attention.writers.launch_cache import (
     Runner,
     SignatureCache,
     rope_meta,
-    signature_of,
     write_meta,
 )
 from vllm.attention.writers.quant import as_bits, store_values
@@ -104,18 +103,15 @@ class SplitKVCacheWriter(WriterBase):
         logical shape (``(nb, 2, bs, H, D)`` or ``(2, nb, bs, H, D)``), any strides.
         A repeated call signature skips straight to the launch
         (:mod:`vllm.attention.writers.launch_cache`)."""
-        runners = self._runners
         meta = write_meta(key, value, slot_mapping)
-        run = runners.recall(0, meta, kv_cache, quant, path)
+        run = self._runners.recall(meta, kv_cache, quant, path)
         if run is None:
-            sig = signature_of(meta, kv_cache, quant, path)
-            run = runners.get(sig)
-            if run is None:
+            def make() -> Runner:
                 cache = self._checked(key, value, kv_cache, slot_mapping, quant)
-                run = split_runner(self.layout, quant.kv_cache_dtype,
-                                   resolve_path(cache.device, path))
-                runners.put(sig, run)
-            runners.remember(0, sig, meta, kv_cache, quant, path, None, run)
+                return split_runner(self.layout, quant.kv_cache_dtype,
+                                    resolve_path(cache.device, path))
+
+            run = self._runners.lookup(meta, kv_cache, quant, path, None, make)
         run((key, value, kv_cache, slot_mapping, quant.k_scale, quant.v_scale))
 
     def write_with_rope(self, query: torch.Tensor | None, key: torch.Tensor,
@@ -124,21 +120,18 @@ class SplitKVCacheWriter(WriterBase):
                         rope: RoPE, *, path: WritePath | None = None) -> None:
         """See :class:`~vllm.attention.FusedRoPEKVCacheWriter`: one kernel rotates
         ``query`` in place and stores the rotated keys and the values."""
-        runners = self._runners
         meta = rope_meta(write_meta(key, value, slot_mapping), query, positions)
-        run = runners.recall(1, meta, kv_cache, quant, path, rope)
+        run = self._runners.recall(meta, kv_cache, quant, path, rope)
         if run is None:
-            sig = signature_of(meta, kv_cache, quant, path, rope)
-            run = runners.get(sig)
-            if run is None:
+            def make() -> Runner:
                 cache = self._checked(key, value, kv_cache, slot_mapping, quant)
                 check_rope_inputs(query, key, slot_mapping, positions, rope, cache.device)
                 layout = self.layout
-                run = rope_runner(lambda c: split_kv_views(c, layout), quant.kv_cache_dtype,
-                                  rope.style, query is not None,
-                                  resolve_path(cache.device, path))
-                runners.put(sig, run)
-            runners.remember(1, sig, meta, kv_cache, quant, path, rope, run)
+                return rope_runner(lambda c: split_kv_views(c, layout), quant.kv_cache_dtype,
+                                   rope.style, query is not None,
+                                   resolve_path(cache.device, path))
+
+            run = self._runners.lookup(meta, kv_cache, quant, path, rope, make)
         run((key, value, kv_cache, slot_mapping, quant.k_scale, quant.v_scale,
              key if query is None else query, positions, rope.cos_sin_cache))
 
@@ -156,13 +149,14 @@ class SplitKVCacheWriter(WriterBase):
 
 
 Views = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-Rows = Callable[[torch.Tensor], torch.Tensor] | None
+"""The ``[nb, bs, H, D]`` K and V (for MLA: rope and latent) views of a cache tensor."""
+
+Rows = Callable[[torch.Tensor], torch.Tensor]
+"""The live key / value as ``[T, H, D]`` rows (a view at the same address)."""
 
 
 def _same(x: torch.Tensor) -> torch.Tensor:
     return x
-
-"""The ``[nb, bs, H, D]`` K and V (for MLA: rope and latent) views of a cache tensor."""
 
 
 def split_runner(layout: KVCacheLayout, cache_dtype: KVCacheDType, path: WritePath) -> Runner:
@@ -172,18 +166,17 @@ def split_runner(layout: KVCacheLayout, cache_dtype: KVCacheDType, path: WritePa
 
 
 def views_runner(views: Views, cache_dtype: KVCacheDType, path: WritePath, *,
-                 same_scale: bool = False, rows: Rows = None) -> Runner:
+                 same_scale: bool = False, rows: Rows = _same) -> Runner:
     """The runner of a validated write through ``views`` of the cache. ``same_scale``:
     the caller's live ``k_scale`` and ``v_scale`` are always one tensor (MLA). ``rows``:
     makes the live key and value ``[T, H, D]`` (a view at the same address: MLA's
     ``[T, W]`` rows), applied when a launch is built, not on every call."""
-    as_rows = rows if rows is not None else _same
     if path == "triton":
         mode = scatter_mode(cache_dtype)
 
         def build(live: Sequence[torch.Tensor]) -> Launch:
             k_view, v_view = views(live[2])
-            return scatter_kv_launch(as_rows(live[0]), as_rows(live[1]),
+            return scatter_kv_launch(rows(live[0]), rows(live[1]),
                                      ScatterTarget.token_major(k_view),
                                      ScatterTarget.token_major(v_view), live[3], mode,
                                      live[4], live[5], same_scale=same_scale)
@@ -192,26 +185,25 @@ def views_runner(views: Views, cache_dtype: KVCacheDType, path: WritePath, *,
 
     def reference(live: Sequence[torch.Tensor]) -> None:
         k_view, v_view = views(live[2])
-        reference_split_write(as_rows(live[0]), as_rows(live[1]), k_view, v_view, live[3],
+        reference_split_write(rows(live[0]), rows(live[1]), k_view, v_view, live[3],
                               KVQuant(cache_dtype, live[4], live[5]))
 
     return reference
 
 
 def rope_runner(views: Views, cache_dtype: KVCacheDType, style: str, has_query: bool,
-                path: WritePath, *, same_scale: bool = False, rows: Rows = None) -> Runner:
+                path: WritePath, *, same_scale: bool = False, rows: Rows = _same) -> Runner:
     """The runner of a validated fused RoPE write (live tensors: key, value, cache, slots,
     k_scale, v_scale, query (the key when there is none), positions, cos_sin_cache);
     ``same_scale`` and ``rows`` (for the key and value) as :func:`views_runner`'s."""
     neox = style == "neox"
-    as_rows = rows if rows is not None else _same
     if path == "triton":
         mode = scatter_mode(cache_dtype)
 
         def build(live: Sequence[torch.Tensor]) -> Launch:
             k_view, v_view = views(live[2])
-            return rope_kv_launch(live[6] if has_query else None, as_rows(live[0]),
-                                  as_rows(live[1]),
+            return rope_kv_launch(live[6] if has_query else None, rows(live[0]),
+                                  rows(live[1]),
                                   ScatterTarget.token_major(k_view),
                                   ScatterTarget.token_major(v_view), live[3], live[7],
                                   live[8], neox, mode, live[4], live[5],
@@ -222,7 +214,7 @@ def rope_runner(views: Views, cache_dtype: KVCacheDType, style: str, has_query: 
     def reference(live: Sequence[torch.Tensor]) -> None:
         k_view, v_view = views(live[2])
         scatter_kv_views_with_rope(
-            live[6] if has_query else None, as_rows(live[0]), as_rows(live[1]), k_view, v_view,
+            live[6] if has_query else None, rows(live[0]), rows(live[1]), k_view, v_view,
             live[3],
             KVQuant(cache_dtype, live[4], live[5]), live[7],
             RoPE(live[8], "neox" if neox else "gptj"), path="torch")
