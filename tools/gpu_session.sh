@@ -9,6 +9,7 @@
 # Usage (device machine, repo root): bash tools/gpu_session.sh tests [check] [bench]
 # Durations seen on an H200 (2026-11-30), warm Triton cache excluded: writers 45 s, ops 55 s,
 # property (SWEEP=40) 100 s, mla 45 s, runner 150 s (the every-backend file), speed 25 s;
+# backends over 220 s (210 of about 265 tests by then, fifth session);
 # bench_writers + bench_launch + bench_fused_rope together 90 s. One call may run 600 s:
 # split the areas over two calls (AREAS=...) when running everything.
 set -u

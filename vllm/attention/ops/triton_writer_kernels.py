@@ -12,8 +12,8 @@ Bit-exactness with the torch reference (``vllm.attention.writers``) rests on:
   rounding is integer code (round to nearest even, NaN to one canonical byte pattern):
   Triton's interpreter does not round to nearest even. Compiled for sm_89+ (HW_CVT)
   the hardware conversions are used where they give the same bytes (``cvt.rn.satfinite``
-  for fp8, ``cvt.rn.bf16.f32`` for the fused RoPE's fp8 writes, the conversion's own
-  NaN byte where claimed, HW_NAN); the exhaustive GPU byte tests in
+  for fp8; ``cvt.rn.bf16x2.f32`` / ``cvt.rn.f16.f32`` for the fused RoPE's fp8 writes;
+  the conversion's own NaN byte where claimed, HW_NAN); the exhaustive GPU byte tests in
   ``tests/writers/test_writers_gpu.py`` and ``tests/speed/test_gpu.py`` hold them to
   the reference.
 
@@ -405,8 +405,8 @@ def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, r: tl.tensor, s_kin
               IS_F32: tl.constexpr = False) -> None:
     """Store input-dtype ``bits`` as the cache stores them (MODE 0 copy, 1 E4M3, 2 E5M2)
     after dividing by the scales ``s`` (broadcast against ``bits``); ``r`` and ``s_kind``
-    are :func:`_load_scales`'s reciprocals and class of them. FAST_DIV: :func:`_fp8_quotient` for class 1.
-    HW_NAN: :func:`_fp8_store_bits`'s. IS_F32 (fp8 modes only): ``bits`` already holds
+    are :func:`_load_scales`'s reciprocals and class of them. FAST_DIV:
+    :func:`_fp8_quotient` for class 1. HW_NAN: :func:`_fp8_store_bits`'s. IS_F32 (fp8 modes only): ``bits`` already holds
     the input's values as float32 (:func:`_rotate_pairs` with AS_F32)."""
     if MODE == 0:
         tl.store(dst, bits, mask=mask)
@@ -673,23 +673,20 @@ def _tile_load(
 
 @jit
 def _tile_store(
-    bits: tl.tensor, s: tl.tensor, r: tl.tensor, ok: tl.tensor, row: tl.tensor,
-    pid_h: tl.tensor,
-    c_ptr: tl.tensor, c_sh: tl.tensor, c_sd: tl.tensor, num_heads: tl.tensor,
-    head_size: tl.tensor,
-    s_kind: tl.tensor,
+    bits: tl.tensor, s: tl.tensor, r: tl.tensor, s_kind: tl.tensor, ok: tl.tensor,
+    row: tl.tensor, h: tl.tensor, hm: tl.tensor,
+    c_ptr: tl.tensor, c_sh: tl.tensor, c_sd: tl.tensor, head_size: tl.tensor,
     IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr,
-    HW_NAN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HW_NAN: tl.constexpr, BLOCK_D: tl.constexpr,
 ) -> None:
-    """Store :func:`_tile_load`'s rows; ``row`` ``[BLOCK_T]`` is each token's element offset
-    of ``(slot, head 0, dim 0)`` in the cache operand; ``s``, ``r``, ``s_kind`` from
-    :func:`_load_scales`."""
-    h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    """Store :func:`_tile_load`'s rows (heads ``h``, in range ``hm``); ``row`` ``[BLOCK_T]``
+    is each token's element offset of ``(slot, head 0, dim 0)`` in the cache operand;
+    ``s``, ``r``, ``s_kind`` from :func:`_load_scales`."""
     d = tl.arange(0, BLOCK_D)
-    store_mask = ok[:, None, None] & (h < num_heads)[None, :, None] & (d < head_size)[None, None, :]
+    store_mask = ok[:, None, None] & hm[None, :, None] & (d < head_size)[None, None, :]
     dst = c_ptr + row[:, None, None] + h[None, :, None] * c_sh + d[None, None, :] * c_sd
-    _store_as(dst, bits, s[None, :, None], r[None, :, None], s_kind, store_mask, IN_KIND, MODE, HW_CVT, FAST_DIV,
-              HW_NAN)
+    _store_as(dst, bits, s[None, :, None], r[None, :, None], s_kind, store_mask, IN_KIND,
+              MODE, HW_CVT, FAST_DIV, HW_NAN)
 
 
 @jit_token_count("num_tokens")
@@ -738,7 +735,7 @@ def scatter_kv_tiled_kernel(
         off = slot % block_size
         k_row = blk * kc_sb + off * kc_so
         v_row = blk * vc_sb + off * vc_so
-    _tile_store(kb, ks, kr, ok, k_row, pid_h, kc_ptr, kc_sh, kc_sd, num_heads,
-                head_size_k, kkind, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_H, BLOCK_DK)
-    _tile_store(vb, vs, vr, ok, v_row, pid_h, vc_ptr, vc_sh, vc_sd, num_heads,
-                head_size_v, vkind, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_H, BLOCK_DV)
+    _tile_store(kb, ks, kr, kkind, ok, k_row, h, hm, kc_ptr, kc_sh, kc_sd, head_size_k,
+                IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_DK)
+    _tile_store(vb, vs, vr, vkind, ok, v_row, h, hm, vc_ptr, vc_sh, vc_sd, head_size_v,
+                IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_DV)
