@@ -10,8 +10,8 @@ the ~30 us MLA writes would time the host). ``--hw-nan both`` adds the fp8
 conversion's NaN select on and off. Every variant's cache bytes are compared with the
 default launch's (a variant that differs is reported and never chosen). The defaults in ``vllm/attention/ops/triton_writers.py``
 come from this table (``docs/performance.md``). Then the fused RoPE + write (keys
-only, T=8192) against the plain write, in CUDA graphs, at 1..8 warps with and without
-its L2 hints, fp8 at each scale.
+only, T=8192) against the plain write, in CUDA graphs, for the launch variants of
+``--rope-variants`` (warps, L2 hints, tokens a program, ...), fp8 at each scale.
 
     python benchmarks/tune_writers.py --out benchmarks/results/h200
 
@@ -58,16 +58,51 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def _rope_sweep(dev: torch.device, warps: list[int], scales: list[float],
-                hw_nans: tuple[bool | None, ...]) -> list[dict[str, object]]:
+ROPE_VARIANTS = ["default", "warps=1", "warps=4", "hints=0", "hints=2", "packed=0", "shift=-1",
+                 "rcp=0", "shift=-1,rcp=0", "bt=2", "bt=2,warps=4", "bt=4,warps=8",
+                 "maxnreg=40"]
+PLAIN_VARIANTS = ["default", "packed=0", "shift=-1", "rcp=0", "packed=0,shift=-1,rcp=0"]
+"""Variants of the fused RoPE launch (``--rope-variants``): comma-separated changes to
+the default launch: ``warps=N``, ``hints=B`` (``CACHE_HINTS`` bits), ``packed=0/1``
+(``PACKED_WIDEN``), ``shift=-1`` (``BS_SHIFT``: divide by the block size), ``bt=N``
+(``BLOCK_T`` tokens a program), ``rcp=0/1`` (``FAST_RCP``), ``maxnreg=N`` (register
+cap). The plain write is timed with the changes of ``PLAIN_VARIANTS``
+(``--plain-variants``)."""
+
+_KNOBS = {"hints": "CACHE_HINTS", "packed": "PACKED_WIDEN", "shift": "BS_SHIFT",
+          "bt": "BLOCK_T", "rcp": "FAST_RCP"}
+
+
+def _rope_variant(base: Launch, spec: str, rows: int) -> Launch:
+    """``base`` changed as ``spec`` says (see :data:`ROPE_VARIANTS`)."""
+    consts = dict(base.constexprs)
+    options = dict(base.options)
+    for item in filter(None, spec.split(",")):
+        if item == "default":
+            continue
+        key, _, value = item.partition("=")
+        if key == "warps":
+            options["num_warps"] = int(value)
+        elif key == "maxnreg":
+            options["maxnreg"] = int(value)
+        elif key in _KNOBS:
+            consts[_KNOBS[key]] = int(value) if key in ("hints", "shift", "bt") else bool(int(value))
+        else:
+            raise ValueError(f"--rope-variants: unknown knob {key!r} in {spec!r}")
+    grid = (-(-rows // int(consts.get("BLOCK_T", 1))), *base.grid[1:])
+    return dataclasses.replace(base, grid=grid, constexprs=consts, options=options)
+
+
+def _rope_sweep(dev: torch.device, specs: list[str], scales: list[float],
+                repeat: int, plain_specs: list[str]) -> list[dict[str, object]]:
     """The fused RoPE + write without a query (``fused k-only`` of bench_fused_rope.py)
     at T=8192 against the plain write's launch, device time per call in CUDA graphs (20
-    calls a graph, the same positions each call, as consecutive layers have):
-    ``rope_kv_kernel`` at each of ``warps``, with and without its L2 hints
-    (``CACHE_HINTS``), bf16 and fp8 (at each of ``scales``, HW_NAN as given), each
-    variant's bytes checked against the default launch's."""
+    calls a graph, the same positions each call, as consecutive layers have), bf16 and
+    fp8 at each of ``scales``: every variant of ``specs``, each one's bytes checked
+    against the default launch's; ``repeat`` timing rounds over all variants (median)."""
     import bench_fused_rope as bf
     from _timing import capture, replay_us
+    from triton.errors import TritonError
 
     from vllm.attention.layouts import split_kv_views
     from vllm.attention.ops.triton_writers import ScatterTarget, rope_kv_launch, scatter_kv_launch
@@ -77,44 +112,53 @@ def _rope_sweep(dev: torch.device, warps: list[int], scales: list[float],
     def graph_us(launch: Launch) -> float:
         return replay_us(capture(launch.run, reps=20), replays=20) / 20
 
-    rows: list[dict[str, object]] = []
+    out: list[dict[str, object]] = []
     rope = RoPE.build(bf.D, bf.MAX_POS, device=dev)
     runs: list[tuple[Literal["auto", "fp8_e4m3"], float]] = [("auto", 1.0)]
     runs += [("fp8_e4m3", sc) for sc in scales]
+    n = 8192
     for cache_dtype, scale in runs:
-        x = bf._setup(8192, cache_dtype, dev, 0, scale_value=scale)
+        x = bf._setup(n, cache_dtype, dev, 0, scale_value=scale)
         kv, vv = split_kv_views(x["cache"], bw.L.SPLIT_NHD)
         kt, vt = ScatterTarget.token_major(kv), ScatterTarget.token_major(vv)
         mode = scatter_mode(cache_dtype)
         q = x["quant"]
-        plain_us = graph_us(scatter_kv_launch(x["k"], x["v"], kt, vt, x["slots"], mode,
-                                              q.k_scale, q.v_scale))
+        plain = scatter_kv_launch(x["k"], x["v"], kt, vt, x["slots"], mode, q.k_scale, q.v_scale)
         base = rope_kv_launch(None, x["k"], x["v"], kt, vt, x["slots"], x["positions"],
                               rope.cos_sin_cache, True, mode, q.k_scale, q.v_scale)
-        x["cache"].zero_()
-        base.run()
-        want = _raw(x["cache"]).clone()
-        for hw_nan in (hw_nans if mode else (None,)):
-            for hints in (1, 0):
-                for nw in warps:
-                    name = f"warps={nw} hints={hints} hw_nan={hw_nan}"
-                    consts = {**base.constexprs, "CACHE_HINTS": hints}
-                    if hw_nan is not None:
-                        consts["HW_NAN"] = hw_nan
-                    v = dataclasses.replace(base, constexprs=consts,
-                                            options={**base.options, "num_warps": nw})
+        built: list[tuple[str, str, Launch, bool, list[float]]] = []
+        for kind, launch, variants in (("plain", plain, plain_specs),
+                                       ("rope", base, specs)):
+            x["cache"].zero_()
+            launch.run()
+            want = _raw(x["cache"]).clone()
+            for spec in variants:
+                v = _rope_variant(launch, spec, n)
+                try:
                     x["cache"].zero_()
                     v.run()
                     same = bool(torch.equal(_raw(x["cache"]), want))
-                    us = graph_us(v)
-                    rows.append({"config": f"rope_k_only/{cache_dtype}", "tokens": 8192,
-                                 "scale": scale, "variant": name, "us": us,
-                                 "plain_write_us": plain_us, "vs_plain_write": us / plain_us,
-                                 "bytes_equal": same})
-                    print(f"rope k-only {cache_dtype:9} scale={scale:<5} T=8192 {name:34} "
-                          f"{us:7.2f} us, plain write {plain_us:7.2f} us, ratio "
-                          f"{us / plain_us:5.3f}" + ("" if same else "  BYTES DIFFER"))
-    return rows
+                except (TritonError, RuntimeError) as exc:  # a variant that does not compile
+                    print(f"{kind} {cache_dtype} scale={scale} {spec}: {type(exc).__name__} {exc}")
+                    continue
+                built.append((kind, spec, v, same, []))
+        for _ in range(repeat):
+            for _, _, v, _, times in built:
+                times.append(graph_us(v))
+        plain_us = sorted(built[0][4])[len(built[0][4]) // 2]
+        for kind, spec, v, same, times in built:
+            us = sorted(times)[len(times) // 2]
+            out.append({"config": f"{kind}/{cache_dtype}", "tokens": n, "scale": scale,
+                        "variant": spec, "us": us, "us_runs": times,
+                        "plain_write_us": plain_us, "vs_plain_write": us / plain_us,
+                        "bytes_equal": same})
+            spread = f"{min(times):6.2f}-{max(times):6.2f}"
+            print(f"{kind:5} {cache_dtype:9} scale={scale:<5} T={n} {spec:22} {us:7.2f} us "
+                  f"({spread}) / plain {plain_us:6.2f} = {us / plain_us:5.3f}"
+                  + ("" if same else "  BYTES DIFFER"))
+        del x
+        torch.cuda.empty_cache()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,8 +176,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="for a scale that is not a power of two: FAST_DIV off and on, or on")
     p.add_argument("--hw-nan", choices=["default", "both"], default="default",
                    help="fp8: the launch's HW_NAN, or both settings")
-    p.add_argument("--rope-warps", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--rope-variants", nargs="+", default=ROPE_VARIANTS,
+                   help="fused RoPE launch variants (see ROPE_VARIANTS)")
+    p.add_argument("--plain-variants", nargs="+", default=PLAIN_VARIANTS,
+                   help="plain write variants timed beside them (the first is the baseline)")
     p.add_argument("--no-rope", action="store_true", help="skip the fused RoPE sweep")
+    p.add_argument("--only-rope", action="store_true", help="only the fused RoPE sweep")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--repeat", type=int, default=1,
                    help="timing rounds over all variants (the median is reported)")
@@ -151,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     rows: list[dict[str, object]] = []
     bad = 0
-    for name in args.configs:
+    for name in ([] if args.only_rope else args.configs):
         cfg = next(c for c in bw.CONFIGS if c.name == name)
         fp8 = cfg.cache_dtype != "auto"
         for n in args.tokens:
@@ -207,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"best {best}")
                 del setup
                 torch.cuda.empty_cache()
-    rope_rows = [] if args.no_rope else _rope_sweep(
-        dev, args.rope_warps, args.scales, (None,) if args.hw_nan == "default" else (True, False))
+    rope_rows = [] if args.no_rope else _rope_sweep(dev, args.rope_variants, args.scales,
+                                                    args.repeat, args.plain_variants)
     bad += sum(not r["bytes_equal"] for r in rope_rows)
     rows += rope_rows
     args.out.mkdir(parents=True, exist_ok=True)

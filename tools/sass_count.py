@@ -84,7 +84,7 @@ def launches() -> list[tuple[str, Any, tuple, dict]]:
                                   tw.ScatterTarget.token_major(rope.unsqueeze(2)), slots, 1,
                                   one, one, same_scale=True)
     for extra in ({}, {"FAST_DIV": True, "HW_NAN": True}):
-        c = {**launch.constexprs, "HW_CVT": True, **extra}
+        c = {**launch.constexprs, "HW_CVT": True, "PACKED_WIDEN": True, "FAST_RCP": True, **extra}
         launch2 = dataclasses.replace(launch, constexprs=c)
         name = "mla-fp8-T65536" + ("-fastdiv-hwnan" if extra else "-hwcvt")
         calls.append((name, getattr(kern, launch.kernel), launch2.args,
@@ -100,9 +100,13 @@ def launches() -> list[tuple[str, Any, tuple, dict]]:
               for x in split_kv_views(cache, KVCacheLayout.SPLIT_NHD))
     rl = tw.rope_kv_launch(None, key, key, kt, vt, slots[:n], slots[:n],
                            torch.zeros(4096, 128), True, 1, one, one.clone())
-    c = {**rl.constexprs, "HW_CVT": True, "FAST_DIV": True, "HW_NAN": True}
+    c = {**rl.constexprs, "HW_CVT": True, "FAST_DIV": True, "HW_NAN": True,
+         "PACKED_WIDEN": True, "FAST_RCP": True}
     calls.append(("rope3b-fp8-T8192-fastdiv-hwnan", getattr(kern, rl.kernel), rl.args,
                   {**c, **rl.options}))
+    for bt, nw in ((2, 2), (2, 4), (4, 4)):
+        calls.append((f"rope3b-fp8-T8192-fastdiv-hwnan-bt{bt}w{nw}", getattr(kern, rl.kernel),
+                      rl.args, {**c, **rl.options, "BLOCK_T": bt, "num_warps": nw}))
     return calls
 
 

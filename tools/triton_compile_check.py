@@ -143,6 +143,9 @@ def record_writers() -> list:
     calls: list = []
 
     def add(name: str, launch: Any, **const: Any) -> None:
+        if const.get("HW_CVT"):  # as the launches select it on sm_89+
+            const.setdefault("PACKED_WIDEN", True)
+            const.setdefault("FAST_RCP", True)
         launch = dataclasses.replace(launch, constexprs={**launch.constexprs, **const})
         calls.append((name, getattr(kern, launch.kernel), launch.args,
                       {**launch.constexprs, **launch.options}))
@@ -177,6 +180,12 @@ def record_writers() -> list:
                     HW_CVT=True, SCALAR_S=True)
                 add(f"rope-{cdt}-{'neox' if neox else 'gptj'}-hwcvt-fastdiv-hwnan", launch,
                     HW_CVT=True, FAST_DIV=True, HW_NAN=True)
+        if mode:  # several tokens a program (keys only, as large batches launch it)
+            launch = tw.rope_kv_launch(None, key, key, kt, vt, slots, slots, table, True, mode,
+                                       scale[:1], scale[:1])
+            for bt in (2, 4):
+                add(f"rope-{cdt}-noq-T{bt}-hwcvt-fastdiv-hwnan", launch, BLOCK_T=bt,
+                    HW_CVT=True, FAST_DIV=True, HW_NAN=True)
     half_table = torch.zeros(4096, 64, dtype=torch.bfloat16)  # partial rotary, bf16 table
     add("rope-partial-noq", tw.rope_kv_launch(None, key, key, kt, vt, slots, slots, half_table,
                                               True, 0, scale, scale))
@@ -210,7 +219,12 @@ def record_writers() -> list:
 
 def _ptx_problem(name: str, consts: dict[str, Any], ptx: str) -> str | None:
     """What must hold in the PTX of a writer launch (None when it does)."""
-    if name.startswith("rope") and not consts.get("FAST_DIV") and re.search(r"\bfma\.", ptx):
+    # the scales' reciprocal (FAST_RCP: inline PTX with the division's own FMA steps) is
+    # not the rotation's arithmetic
+    rotation = re.sub(r"// begin inline asm\n[^\n]*rcp\.approx[^\n]*\n\s*// end inline asm",
+                      "", ptx)
+    if name.startswith("rope") and not consts.get("FAST_DIV") and re.search(r"\bfma\.",
+                                                                            rotation):
         # (FAST_DIV's quotient is the only FMA; without it the rotation must have none)
         return "an FMA in a RoPE kernel (products and sums must round one by one)"
     if consts.get("HW_CVT") and "cvt.rn.satfinite" not in ptx:

@@ -14,3 +14,16 @@ from tests.helpers import torch_threads
 def _one_thread() -> Iterator[None]:
     with torch_threads(1):
         yield
+
+
+@pytest.fixture(params=["one", "several"])
+def rope_tokens_per_program(request: pytest.FixtureRequest,
+                            monkeypatch: pytest.MonkeyPatch) -> str:
+    """The fused RoPE kernel at one token a program (what small batches launch) and at
+    two tokens a program from the first row on (what ``rope_geometry`` gives most large
+    batches; the small test batches then end in a partial tile)."""
+    from vllm.attention.ops import triton_writers as tw
+
+    if request.param == "several":
+        monkeypatch.setattr(tw, "rope_geometry", lambda rows, mode, tile: (2, 4))
+    return str(request.param)

@@ -111,7 +111,8 @@ def _inputs(case: RopeCase, seed: int) -> dict[str, object]:
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_fused_write_equals_rotate_then_write(case: RopeCase, path: str) -> None:
+def test_fused_write_equals_rotate_then_write(case: RopeCase, path: str,
+                                              rope_tokens_per_program: str) -> None:
     seed = zlib.crc32(case.id.encode())
     x = _inputs(case, seed)
     key, value, query = x["key"], x["value"], x["query"]
@@ -138,7 +139,8 @@ def test_fused_write_equals_rotate_then_write(case: RopeCase, path: str) -> None
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
-def test_mla_fused_write_equals_rotate_then_write(cache_dtype: str, path: str) -> None:
+def test_mla_fused_write_equals_rotate_then_write(cache_dtype: str, path: str,
+                                                  rope_tokens_per_program: str) -> None:
     g = torch.Generator().manual_seed(3)
     lora, r, p, heads, t = 32, 8, 4, 3, 4
     kv_c = torch.randn(t, lora, generator=g).to(torch.bfloat16)
@@ -165,7 +167,8 @@ def test_mla_fused_write_equals_rotate_then_write(cache_dtype: str, path: str) -
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("style", ["neox", "gptj"])
-def test_apply_rope_rotates_in_place(style: str, path: str) -> None:
+def test_apply_rope_rotates_in_place(style: str, path: str,
+                                     rope_tokens_per_program: str) -> None:
     g = torch.Generator().manual_seed(4)
     q = torch.randn(6, 4, 16, generator=g).to(torch.bfloat16)
     k = torch.randn(6, 2, 16, generator=g).to(torch.bfloat16)
@@ -371,7 +374,7 @@ def test_layer_checked_mode_rejects_positions_past_the_table() -> None:
                     "cannot run here")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-def test_fused_write_scalar_scale_every_bf16_pattern() -> None:
+def test_fused_write_scalar_scale_every_bf16_pattern(rope_tokens_per_program: str) -> None:
     """A ``[1]`` fp8 scale (``SCALAR_S``): every bf16 bit pattern as key and value rows,
     rotated at position 0 and quantised with a power of two (multiplied), 2**127 and
     7.0 (divided), byte for byte with rotate-then-reference-write. Multiplying by the

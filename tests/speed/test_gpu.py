@@ -104,11 +104,13 @@ def test_fused_rope_cuda_equals_rotate_then_write(style: str, cache_dtype: str, 
 
 @pytest.mark.parametrize("scales_per", ["head", "tensor"])
 @pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_fused_rope_cuda_every_bf16_pattern(cache_dtype: str, scales_per: str) -> None:
+def test_fused_rope_cuda_every_bf16_pattern(cache_dtype: str, scales_per: str,
+                                            rope_tokens_per_program: str) -> None:
     """The fused RoPE + fp8 write on the GPU, byte for byte with rotate-then-reference-write
     on the CPU: every bf16 bit pattern as key and value rows at random positions, with
     scales of every class the kernel tells apart (powers of two: multiply; moderate
-    non-powers of two: FAST_DIV; tiny or huge: IEEE division), per head and ``[1]``."""
+    non-powers of two: FAST_DIV; tiny or huge: IEEE division), per head and ``[1]``; one
+    token and two tokens a program."""
     key = every_16_bit_pattern(torch.bfloat16, 8)
     value = key.flip(0).contiguous()
     n = key.shape[0]

@@ -313,3 +313,43 @@ def test_hardware_conversion_nan_claim(cache_dtype: str, monkeypatch: pytest.Mon
     else:
         pytest.skip(f"sm_{cap[0]}{cap[1]}: HW_NAN not claimed; the conversion stored NaNs as "
                     f"{sorted(hex(b) for b in seen)}")
+
+
+@needs_triton
+def test_fast_reciprocal_is_the_division_for_every_scale_it_serves() -> None:
+    """``_reciprocal`` with FAST_RCP (the hardware approximation and two FMA steps,
+    without ``div.rn``'s range check and slow-path branch) gives the correctly rounded
+    ``1 / s`` for every float32 scale it is used for: every mantissa of the exponents of
+    ``_scale_kind`` 1 (2**-30 <= |s| < 2**30), both signs, and every power of two of
+    kind 0; bit for bit against the IEEE division on the GPU (itself checked against
+    the CPU's on a random sample) and against ``div_rn`` in the same kernel."""
+    from tests.writers._rcp_probe import reciprocal_kernel
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3)
+    sample = torch.randint(97 << 23, 157 << 23, (1 << 20,), generator=gen,
+                           dtype=torch.int64).to(torch.int32).view(torch.float32)
+    assert torch.equal((1.0 / sample.to(dev)).cpu().view(torch.int32),
+                       (1.0 / sample).view(torch.int32)), "torch's CUDA division is not IEEE"
+
+    def check(bits: torch.Tensor) -> None:
+        s = bits.to(torch.int32).view(torch.float32)
+        for sign in (0, -(2**31)):
+            x = (s.view(torch.int32) | sign).view(torch.float32) if sign else s
+            n = x.numel()
+            got = torch.empty_like(x)
+            slow = torch.empty_like(x)
+            grid = (-(-n // 1024),)
+            reciprocal_kernel[grid](x, got, n, FAST=True, BLOCK=1024)
+            reciprocal_kernel[grid](x, slow, n, FAST=False, BLOCK=1024)
+            want = (1.0 / x).view(torch.int32)
+            for name, r in (("fast", got), ("div_rn", slow)):
+                bad = (r.view(torch.int32) != want).nonzero()
+                assert bad.numel() == 0, (
+                    f"{name}: {bad.shape[0]} reciprocals differ, first 1/{x[bad[0, 0]].item()!r}"
+                    f" = {r[bad[0, 0]].item()!r}, IEEE {(1.0 / x[bad[0, 0]]).item()!r}")
+
+    check(torch.arange(1, 254, device=dev, dtype=torch.int64) << 23)  # kind 0
+    end, step = 157 << 23, 1 << 26
+    for start in range(97 << 23, end, step):  # kind 1, in 8 chunks
+        check(torch.arange(start, min(start + step, end), device=dev, dtype=torch.int64))

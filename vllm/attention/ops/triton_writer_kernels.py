@@ -57,6 +57,15 @@ def _ld(ptrs: tl.tensor, mask: tl.tensor, HINT: tl.constexpr) -> tl.tensor:
 
 
 @jit
+def _st(ptrs: tl.tensor, value: tl.tensor, mask: tl.tensor, HINT: tl.constexpr) -> None:
+    """``tl.store`` with an L2 hint. HINT: 0 none, 1 ``evict_first``."""
+    if HINT == 1:
+        tl.store(ptrs, value, mask=mask, eviction_policy="evict_first")
+    else:
+        tl.store(ptrs, value, mask=mask)
+
+
+@jit
 def _load_f32(ptrs: tl.tensor, mask: tl.tensor, IN_KIND: tl.constexpr,
               HINT: tl.constexpr = 0) -> tl.tensor:
     """Input bits to float32, exactly. IN_KIND: 0 fp32 (int32 bits), 1 fp16, 2 bf16 (int16
@@ -309,15 +318,28 @@ def fp8_ds_mla_kernel(
 
 
 @jit
-def _widen(bits: tl.tensor, IN_KIND: tl.constexpr) -> tl.tensor:
-    """Input-dtype bits (int32 / int16) to float32, exactly."""
+def _widen(bits: tl.tensor, IN_KIND: tl.constexpr, PACKED: tl.constexpr = False) -> tl.tensor:
+    """Input-dtype bits (int32 / int16) to float32, exactly. PACKED (compiled kernels,
+    bf16): :func:`_widen_bf16_pairs`."""
     if IN_KIND == 0:
         x = bits.to(tl.float32, bitcast=True)
     elif IN_KIND == 1:
         x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    elif PACKED:
+        x = _widen_bf16_pairs(bits)
     else:
         x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     return x
+
+
+@jit
+def _widen_bf16_pairs(bits: tl.tensor) -> tl.tensor:
+    """bf16 bits (int16) to float32, two elements per 32-bit register as they were
+    loaded: a shift for the low half and a mask for the high one (the compiler's own
+    widening extracts each half first). Compiled kernels only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }",
+        "=r,=r,r", [bits], dtype=tl.float32, is_pure=True, pack=2)
 
 
 @jit
@@ -355,14 +377,36 @@ def _scale_kind(s: tl.tensor) -> tl.tensor:
 
 
 @jit
+def _reciprocal(s: tl.tensor, FAST_RCP: tl.constexpr) -> tl.tensor:
+    """``1 / s`` correctly rounded, for scales of :func:`_scale_kind` 0 and 1 (other
+    scales are never multiplied by it). FAST_RCP (compiled kernels): the sequence the
+    compiler emits for ``div.rn.f32`` when its range check passes -- the hardware
+    approximation refined by two FMA steps -- without that check and its branch to the
+    slow path: the check always passes for these scales (the numerator is 1 and ``s``
+    is a normal float32 of exponent within [-126, 126]), and a branch before the table
+    loads of the fused RoPE kernel made the program wait for the scale first. Otherwise
+    ``div_rn`` (the GPU test compares both for every float32 scale of those kinds)."""
+    if FAST_RCP:
+        r = tl.inline_asm_elementwise(
+            "{ .reg .f32 y, e, n; neg.f32 n, $1; rcp.approx.ftz.f32 y, $1; "
+            "fma.rn.f32 e, n, y, 0f3F800000; fma.rn.f32 y, y, e, y; "
+            "fma.rn.f32 e, n, y, 0f3F800000; fma.rn.f32 $0, y, e, y; }",
+            "=r,r", [s], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    return r
+
+
+@jit
 def _load_scales(s_ptr: tl.tensor, s_sh: tl.tensor, h: tl.tensor, hm: tl.tensor,
                  MODE: tl.constexpr, SCALAR_S: tl.constexpr,
-                 BLOCK_H: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+                 BLOCK_H: tl.constexpr, FAST_RCP: tl.constexpr = False,
+                 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """Heads ``h``'s fp8 scales ``[BLOCK_H]`` (ones for MODE 0, not loaded), their
-    reciprocals (``div_rn(1, s)``, computed once here for every store that follows) and
-    the largest :func:`_scale_kind` among them (0 for MODE 0). SCALAR_S: one scale for
-    every head (a ``[1]`` scale), loaded, inverted and classified once, no cross-warp
-    reduction."""
+    reciprocals (:func:`_reciprocal`, computed once here for every store that follows)
+    and the largest :func:`_scale_kind` among them (0 for MODE 0). SCALAR_S: one scale
+    for every head (a ``[1]`` scale), loaded, inverted and classified once, no
+    cross-warp reduction."""
     if MODE == 0:
         s = tl.full((BLOCK_H,), 1.0, tl.float32)
         r = s
@@ -375,7 +419,7 @@ def _load_scales(s_ptr: tl.tensor, s_sh: tl.tensor, h: tl.tensor, hm: tl.tensor,
         s = tl.load(s_ptr + h * s_sh, mask=hm, other=1.0)
         kind = tl.reduce(_scale_kind(s), 0, _max)
     if MODE != 0:
-        r = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)  # a splat's: one division
+        r = _reciprocal(s, FAST_RCP)  # a splat's: one division
     return s, r, kind
 
 
@@ -402,38 +446,39 @@ def _fp8_quotient(x: tl.tensor, s: tl.tensor, r: tl.tensor) -> tl.tensor:
 def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, r: tl.tensor, s_kind: tl.tensor,
               mask: tl.tensor, IN_KIND: tl.constexpr, MODE: tl.constexpr,
               HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr, HW_NAN: tl.constexpr,
-              IS_F32: tl.constexpr = False) -> None:
+              IS_F32: tl.constexpr = False, PACKED: tl.constexpr = False,
+              HINT: tl.constexpr = 0) -> None:
     """Store input-dtype ``bits`` as the cache stores them (MODE 0 copy, 1 E4M3, 2 E5M2)
     after dividing by the scales ``s`` (broadcast against ``bits``); ``r`` and ``s_kind``
     are :func:`_load_scales`'s reciprocals and class of them. FAST_DIV:
     :func:`_fp8_quotient` for class 1. HW_NAN: :func:`_fp8_store_bits`'s. IS_F32 (fp8 modes only): ``bits`` already holds
-    the input's values as float32 (:func:`_rotate_pairs` with AS_F32)."""
+    the input's values as float32 (:func:`_rotate_pairs` with AS_F32). PACKED: :func:`_widen`'s.
+    HINT: :func:`_st`'s."""
     if MODE == 0:
-        tl.store(dst, bits, mask=mask)
+        _st(dst, bits, mask, HINT)
     else:
-        x = bits if IS_F32 else _widen(bits, IN_KIND)
-        _store_fp8(dst, x, s, r, s_kind, mask, MODE, HW_CVT, FAST_DIV, HW_NAN)
+        x = bits if IS_F32 else _widen(bits, IN_KIND, PACKED)
+        _store_fp8(dst, x, s, r, s_kind, mask, MODE, HW_CVT, FAST_DIV, HW_NAN, HINT)
 
 
 @jit
 def _store_fp8(dst: tl.tensor, x: tl.tensor, s: tl.tensor, r: tl.tensor, s_kind: tl.tensor,
                mask: tl.tensor, MODE: tl.constexpr, HW_CVT: tl.constexpr,
-               FAST_DIV: tl.constexpr, HW_NAN: tl.constexpr) -> None:
+               FAST_DIV: tl.constexpr, HW_NAN: tl.constexpr, HINT: tl.constexpr = 0) -> None:
     """:func:`_store_as` of float32 values ``x`` (exactly the input's values) into an fp8
     cache (MODE 1 E4M3, 2 E5M2)."""
     # each branch stores (no value leaves the runtime if: a yielded tile at 8 warps
     # stored other bytes on the H200, Triton 3.6)
     if s_kind == 0:
-        tl.store(dst, _fp8_store_bits(x * r, MODE, HW_CVT, False, HW_NAN), mask=mask)
+        _st(dst, _fp8_store_bits(x * r, MODE, HW_CVT, False, HW_NAN), mask, HINT)
     elif FAST_DIV:
         if s_kind == 1:
-            tl.store(dst, _fp8_store_bits(_fp8_quotient(x, s, r), MODE, HW_CVT, False, HW_NAN),
-                     mask=mask)
+            _st(dst, _fp8_store_bits(_fp8_quotient(x, s, r), MODE, HW_CVT, False, HW_NAN),
+                mask, HINT)
         else:
-            tl.store(dst, _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT, True, HW_NAN),
-                     mask=mask)
+            _st(dst, _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT, True, HW_NAN), mask, HINT)
     else:
-        tl.store(dst, _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT, True, HW_NAN), mask=mask)
+        _st(dst, _fp8_store_bits(tl.div_rn(x, s), MODE, HW_CVT, True, HW_NAN), mask, HINT)
 
 
 @jit
@@ -479,28 +524,44 @@ def _rotate_pairs(
 
 @jit
 def _rotate_at(
-    x1: tl.tensor, x2: tl.tensor, pos_ptr: tl.tensor, cs_ptr: tl.tensor, cs_sp: tl.tensor,
-    cs_sd: tl.tensor, j: tl.tensor, half: tl.tensor, jm: tl.tensor,
-    IN_KIND: tl.constexpr, CS_KIND: tl.constexpr, CACHE_HINTS: tl.constexpr,
+    x1: tl.tensor, x2: tl.tensor, pos_ptrs: tl.tensor, tm: tl.tensor, cs_ptr: tl.tensor,
+    cs_sp: tl.tensor, cs_sd: tl.tensor, j: tl.tensor, half: tl.tensor, jm: tl.tensor,
+    IN_KIND: tl.constexpr, CS_KIND: tl.constexpr, HINT: tl.constexpr,
     AS_F32: tl.constexpr = False,
 ) -> tuple[tl.tensor, tl.tensor]:
-    """:func:`_rotate_pairs` of rows ``[H, BLOCK_R]`` by the cos/sin row of the position
-    at ``pos_ptr``: the position is loaded here, after the caller's row loads, so the
-    rows do not wait for it (``evict_last`` on the table with CACHE_HINTS)."""
-    pos = tl.load(pos_ptr)
+    """:func:`_rotate_pairs` of rows ``[BLOCK_T, H, BLOCK_R]`` by the cos/sin rows of
+    the positions at ``pos_ptrs`` ``[BLOCK_T]`` (tokens in range ``tm``): the positions
+    are loaded here, after the caller's row loads, so the rows do not wait for them.
+    HINT: the table rows' :func:`_ld` hint."""
+    pos = tl.load(pos_ptrs, mask=tm, other=0)
     # the table row is loaded in the rows' own layout (each thread the columns it
     # rotates; repeats hit L1): a [BLOCK_R] load broadcast to the rows would be
     # exchanged through shared memory, behind two barriers
     zero = tl.zeros(x1.shape, tl.int32)
-    row = cs_ptr + pos * cs_sp + zero
-    m2 = jm[None, :] & (zero == 0)
-    c = _load_f32(row + (j * cs_sd)[None, :], m2, CS_KIND, 2 * CACHE_HINTS)
-    s = _load_f32(row + ((j + half) * cs_sd)[None, :], m2, CS_KIND, 2 * CACHE_HINTS)
+    row = cs_ptr + pos[:, None, None] * cs_sp + zero
+    m2 = jm[None, None, :] & (zero == 0)
+    c = _load_f32(row + (j * cs_sd)[None, None, :], m2, CS_KIND, HINT)
+    s = _load_f32(row + ((j + half) * cs_sd)[None, None, :], m2, CS_KIND, HINT)
     o1, o2 = _rotate_pairs(x1, x2, c, s, IN_KIND, AS_F32)
     return o1, o2
 
 
-@jit_token_count("num_write")
+@jit
+def _split_slot(slot: tl.tensor, block_size: tl.tensor, BS_SHIFT: tl.constexpr
+                ) -> tuple[tl.tensor, tl.tensor]:
+    """``divmod(slot, block_size)`` for slots >= 0 (others are masked by the caller);
+    BS_SHIFT >= 0: ``block_size == 2**BS_SHIFT``, a shift and a mask instead of a 64-bit
+    division."""
+    if BS_SHIFT >= 0:
+        blk = slot >> BS_SHIFT
+        off = slot & ((1 << BS_SHIFT) - 1)
+    else:
+        blk = slot // block_size
+        off = slot % block_size
+    return blk, off
+
+
+@jit_token_count("num_write", "num_rows")
 def rope_kv_kernel(
     pos_ptr: tl.tensor, pos_st: tl.tensor,
     cs_ptr: tl.tensor, cs_sp: tl.tensor, cs_sd: tl.tensor, half: tl.tensor,
@@ -508,7 +569,7 @@ def rope_kv_kernel(
     num_q_heads: tl.tensor, q_groups: tl.tensor,
     k_ptr: tl.tensor, k_st: tl.tensor, k_sh: tl.tensor, k_sd: tl.tensor,
     num_kv_heads: tl.tensor, head_size_k: tl.tensor,
-    slot_ptr: tl.tensor, slot_st: tl.tensor, num_write: tl.tensor,
+    slot_ptr: tl.tensor, slot_st: tl.tensor, num_write: tl.tensor, num_rows: tl.tensor,
     v_ptr: tl.tensor, v_st: tl.tensor, v_sh: tl.tensor, v_sd: tl.tensor, head_size_v: tl.tensor,
     kc_ptr: tl.tensor, kc_sb: tl.tensor, kc_so_hi: tl.tensor, kc_so_lo: tl.tensor, kc_sh: tl.tensor,
     kc_sd_hi: tl.tensor, kc_sd_lo: tl.tensor,
@@ -522,18 +583,22 @@ def rope_kv_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_PK: tl.constexpr, BLOCK_DV: tl.constexpr, CACHE_HINTS: tl.constexpr,
     SCALAR_S: tl.constexpr, FAST_DIV: tl.constexpr = False, HW_NAN: tl.constexpr = False,
-    SAME_SCALE: tl.constexpr = False,
+    SAME_SCALE: tl.constexpr = False, BLOCK_T: tl.constexpr = 1, BS_SHIFT: tl.constexpr = -1,
+    PACKED_WIDEN: tl.constexpr = False, FAST_RCP: tl.constexpr = False,
 ) -> None:
-    """One program per (token, head group): rotate ``q`` in place (groups below
-    ``q_groups``), or rotate ``k`` and -- with WRITE -- store it and ``v`` at the token's
-    slot (tokens from ``num_write`` on and negative slots store nothing), without
-    WRITE rotate ``k`` in place. Pairs: NEOX ``(j, j + half)``, else ``(2j, 2j + 1)``;
-    key dimensions from ``2 * half`` on are stored unrotated (PASS_K). Cache addressing
-    and MODE as :func:`scatter_kv_kernel`. CACHE_HINTS (1 or 0): the cos/sin rows are
-    loaded ``evict_last`` and the key/value rows ``evict_first``, so that the table rows
-    of this step's positions stay in L2 for the next layer's call while the rows stream
-    through. SCALAR_S, SAME_SCALE: as :func:`scatter_kv_tiled_kernel`."""
-    t = tl.program_id(0).to(tl.int64)
+    """One program per (BLOCK_T tokens, head group); tokens from ``num_rows`` on do
+    nothing. Groups below ``q_groups`` rotate ``q`` in place; the others rotate ``k``
+    and -- with WRITE -- store it and ``v`` at the token's slot (tokens from
+    ``num_write`` on and negative slots store nothing), without WRITE rotate ``k`` in
+    place. Pairs: NEOX ``(j, j + half)``, else ``(2j, 2j + 1)``; key dimensions from
+    ``2 * half`` on are stored unrotated (PASS_K). Cache addressing and MODE as
+    :func:`scatter_kv_kernel`. CACHE_HINTS, bits: 1 the key/value rows are loaded
+    ``evict_first``, 2 the cos/sin rows ``evict_last``, so that the table rows of this
+    step's positions stay in L2 for the next layer's call while the rows stream
+    through; 4 the cache rows are stored ``evict_first`` too. SCALAR_S, SAME_SCALE, PACKED_WIDEN: as :func:`scatter_kv_tiled_kernel`;
+    BS_SHIFT: :func:`_split_slot`'s."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < num_rows
     g = tl.program_id(1)
     j = tl.arange(0, BLOCK_R)
     jm = j < half
@@ -543,6 +608,9 @@ def rope_kv_kernel(
     else:
         i1 = 2 * j
         i2 = 2 * j + 1
+    ROW_HINT: tl.constexpr = CACHE_HINTS & 1
+    TABLE_HINT: tl.constexpr = 2 if CACHE_HINTS & 2 else 0
+    SH: tl.constexpr = 1 if CACHE_HINTS & 4 else 0
     # Issue order sets the latency of the small batches: the rows (and the slot) are
     # loaded first, none of them waits for another load, then the position and its
     # cos/sin row (_rotate_at; the row waits for the position): two memory round trips
@@ -550,74 +618,78 @@ def rope_kv_kernel(
     # (names differ between the branches: a runtime if merges same-named values)
     if g < q_groups:
         hq = (g * BLOCK_HQ + tl.arange(0, BLOCK_HQ)).to(tl.int64)
-        mq = (hq < num_q_heads)[:, None] & jm[None, :]
-        qrow = q_ptr + t * q_st + hq * q_sh
-        qx1 = tl.load(qrow[:, None] + i1[None, :] * q_sd, mask=mq, other=0)
-        qx2 = tl.load(qrow[:, None] + i2[None, :] * q_sd, mask=mq, other=0)
-        q1, q2 = _rotate_at(qx1, qx2, pos_ptr + t * pos_st, cs_ptr, cs_sp, cs_sd, j, half, jm,
-                            IN_KIND, CS_KIND, CACHE_HINTS)
-        tl.store(qrow[:, None] + i1[None, :] * q_sd, q1, mask=mq)
-        tl.store(qrow[:, None] + i2[None, :] * q_sd, q2, mask=mq)
+        mq = (tm[:, None] & (hq < num_q_heads)[None, :])[:, :, None] & jm[None, None, :]
+        qrow = (q_ptr + t[:, None] * q_st + hq[None, :] * q_sh)[:, :, None]
+        qx1 = tl.load(qrow + i1[None, None, :] * q_sd, mask=mq, other=0)
+        qx2 = tl.load(qrow + i2[None, None, :] * q_sd, mask=mq, other=0)
+        q1, q2 = _rotate_at(qx1, qx2, pos_ptr + t * pos_st, tm, cs_ptr, cs_sp, cs_sd, j, half,
+                            jm, IN_KIND, CS_KIND, TABLE_HINT)
+        tl.store(qrow + i1[None, None, :] * q_sd, q1, mask=mq)
+        tl.store(qrow + i2[None, None, :] * q_sd, q2, mask=mq)
     else:
         h = ((g - q_groups) * BLOCK_HK + tl.arange(0, BLOCK_HK)).to(tl.int64)
         hm = h < num_kv_heads
-        base = k_ptr + t * k_st + h * k_sh
+        base = (k_ptr + t[:, None] * k_st + h[None, :] * k_sh)[:, :, None]
         if WRITE:
-            live = t < num_write
+            live = tm & (t < num_write)
             slot = tl.load(slot_ptr + t * slot_st, mask=live, other=-1)
             # rows below num_write always exist: the loads do not wait for the slot
-            lm = live & hm[:, None] & jm[None, :]
-            kx1 = _ld(base[:, None] + i1[None, :] * k_sd, lm, CACHE_HINTS)
-            kx2 = _ld(base[:, None] + i2[None, :] * k_sd, lm, CACHE_HINTS)
+            lh = (live[:, None] & hm[None, :])[:, :, None]
+            lm = lh & jm[None, None, :]
+            kx1 = _ld(base + i1[None, None, :] * k_sd, lm, ROW_HINT)
+            kx2 = _ld(base + i2[None, None, :] * k_sd, lm, ROW_HINT)
             if PASS_K:
                 d = 2 * half + tl.arange(0, BLOCK_PK)
-                pl = live & hm[:, None] & (d < head_size_k)[None, :]
-                pbits = _ld(base[:, None] + d[None, :] * k_sd, pl, CACHE_HINTS)
+                pl = lh & (d < head_size_k)[None, None, :]
+                pbits = _ld(base + d[None, None, :] * k_sd, pl, ROW_HINT)
             dv = tl.arange(0, BLOCK_DV)
-            vl = live & hm[:, None] & (dv < head_size_v)[None, :]
-            vbits = _ld(v_ptr + t * v_st + h[:, None] * v_sh + dv[None, :] * v_sd, vl,
-                        CACHE_HINTS)
-            skh, rkh, kkind = _load_scales(ks_ptr, ks_sh, h, hm, MODE, SCALAR_S, BLOCK_HK)
+            vl = lh & (dv < head_size_v)[None, None, :]
+            vbits = _ld(v_ptr + t[:, None, None] * v_st + h[None, :, None] * v_sh
+                        + dv[None, None, :] * v_sd, vl, ROW_HINT)
+            skh, rkh, kkind = _load_scales(ks_ptr, ks_sh, h, hm, MODE, SCALAR_S, BLOCK_HK,
+                                           FAST_RCP)
             if SAME_SCALE:
                 svh, rvh, vkind = skh, rkh, kkind
             else:
-                svh, rvh, vkind = _load_scales(vs_ptr, vs_sh, h, hm, MODE, SCALAR_S, BLOCK_HK)
-            sk, rk = skh[:, None], rkh[:, None]
-            sv, rv = svh[:, None], rvh[:, None]
+                svh, rvh, vkind = _load_scales(vs_ptr, vs_sh, h, hm, MODE, SCALAR_S,
+                                               BLOCK_HK, FAST_RCP)
+            sk, rk = skh[None, :, None], rkh[None, :, None]
+            sv, rv = svh[None, :, None], rvh[None, :, None]
             # compiled fp8 writes take the rotated keys as float32 (hardware rounding to the
             # input dtype instead of the integer code; no bits in between)
             ROT_F32: tl.constexpr = MODE != 0 and HW_CVT
-            b1, b2 = _rotate_at(kx1, kx2, pos_ptr + t * pos_st, cs_ptr, cs_sp, cs_sd, j, half,
-                                jm, IN_KIND, CS_KIND, CACHE_HINTS, ROT_F32)
+            b1, b2 = _rotate_at(kx1, kx2, pos_ptr + t * pos_st, tm, cs_ptr, cs_sp, cs_sd, j,
+                                half, jm, IN_KIND, CS_KIND, TABLE_HINT, ROT_F32)
             # every load before the first store (see scatter_kv_tiled_kernel)
-            ok = (slot >= 0) & (slot < num_slots)
-            m = ok & lm
-            blk = slot // block_size
-            off = slot % block_size
-            kdst = (kc_ptr + blk * kc_sb + (off // K_XO) * kc_so_hi + (off % K_XO) * kc_so_lo
-                    + h * kc_sh)
-            k1 = kdst[:, None] + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, :]
-            k2 = kdst[:, None] + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, :]
-            _store_as(k1, b1, sk, rk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN,
-                      ROT_F32)
-            _store_as(k2, b2, sk, rk, kkind, m, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN,
-                      ROT_F32)
+            ok = ((slot >= 0) & (slot < num_slots))[:, None, None]
+            blk, off = _split_slot(slot, block_size, BS_SHIFT)
+            kdst = (kc_ptr + (blk * kc_sb + (off // K_XO) * kc_so_hi
+                              + (off % K_XO) * kc_so_lo)[:, None, None]
+                    + h[None, :, None] * kc_sh)
+            k1 = kdst + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, None, :]
+            k2 = kdst + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, None, :]
+            _store_as(k1, b1, sk, rk, kkind, ok & lm, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN,
+                      ROT_F32, PACKED_WIDEN, SH)
+            _store_as(k2, b2, sk, rk, kkind, ok & lm, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN,
+                      ROT_F32, PACKED_WIDEN, SH)
             if PASS_K:
-                _store_as(kdst[:, None] + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, :],
+                _store_as(kdst + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, None, :],
                           pbits, sk, rk, kkind, ok & pl, IN_KIND, MODE, HW_CVT, FAST_DIV,
-                          HW_NAN)
-            vdst = (vc_ptr + blk * vc_sb + (off // V_XO) * vc_so_hi + (off % V_XO) * vc_so_lo
-                    + h * vc_sh)
-            _store_as(vdst[:, None] + ((dv // V_XD) * vc_sd_hi + (dv % V_XD) * vc_sd_lo)[None, :],
-                      vbits, sv, rv, vkind, ok & vl, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN)
+                          HW_NAN, False, PACKED_WIDEN, SH)
+            vdst = (vc_ptr + (blk * vc_sb + (off // V_XO) * vc_so_hi
+                              + (off % V_XO) * vc_so_lo)[:, None, None]
+                    + h[None, :, None] * vc_sh)
+            _store_as(vdst + ((dv // V_XD) * vc_sd_hi + (dv % V_XD) * vc_sd_lo)[None, None, :],
+                      vbits, sv, rv, vkind, ok & vl, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN,
+                      False, PACKED_WIDEN, SH)
         else:
-            m = hm[:, None] & jm[None, :]
-            kx1 = tl.load(base[:, None] + i1[None, :] * k_sd, mask=m, other=0)
-            kx2 = tl.load(base[:, None] + i2[None, :] * k_sd, mask=m, other=0)
-            b1, b2 = _rotate_at(kx1, kx2, pos_ptr + t * pos_st, cs_ptr, cs_sp, cs_sd, j, half,
-                                jm, IN_KIND, CS_KIND, CACHE_HINTS)
-            tl.store(base[:, None] + i1[None, :] * k_sd, b1, mask=m)
-            tl.store(base[:, None] + i2[None, :] * k_sd, b2, mask=m)
+            m = (tm[:, None] & hm[None, :])[:, :, None] & jm[None, None, :]
+            kx1 = tl.load(base + i1[None, None, :] * k_sd, mask=m, other=0)
+            kx2 = tl.load(base + i2[None, None, :] * k_sd, mask=m, other=0)
+            b1, b2 = _rotate_at(kx1, kx2, pos_ptr + t * pos_st, tm, cs_ptr, cs_sp, cs_sd, j,
+                                half, jm, IN_KIND, CS_KIND, TABLE_HINT)
+            tl.store(base + i1[None, None, :] * k_sd, b1, mask=m)
+            tl.store(base + i2[None, None, :] * k_sd, b2, mask=m)
 
 
 # -- the token-major scatter, tiled ---------------------------------------------------------
@@ -677,16 +749,16 @@ def _tile_store(
     row: tl.tensor, h: tl.tensor, hm: tl.tensor,
     c_ptr: tl.tensor, c_sh: tl.tensor, c_sd: tl.tensor, head_size: tl.tensor,
     IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr,
-    HW_NAN: tl.constexpr, BLOCK_D: tl.constexpr,
+    HW_NAN: tl.constexpr, BLOCK_D: tl.constexpr, PACKED: tl.constexpr,
 ) -> None:
     """Store :func:`_tile_load`'s rows (heads ``h``, in range ``hm``); ``row`` ``[BLOCK_T]``
     is each token's element offset of ``(slot, head 0, dim 0)`` in the cache operand;
-    ``s``, ``r``, ``s_kind`` from :func:`_load_scales`."""
+    ``s``, ``r``, ``s_kind`` from :func:`_load_scales`; PACKED: :func:`_widen`'s."""
     d = tl.arange(0, BLOCK_D)
     store_mask = ok[:, None, None] & hm[None, :, None] & (d < head_size)[None, None, :]
     dst = c_ptr + row[:, None, None] + h[None, :, None] * c_sh + d[None, None, :] * c_sd
     _store_as(dst, bits, s[None, :, None], r[None, :, None], s_kind, store_mask, IN_KIND,
-              MODE, HW_CVT, FAST_DIV, HW_NAN)
+              MODE, HW_CVT, FAST_DIV, HW_NAN, False, PACKED)
 
 
 @jit_token_count("num_tokens")
@@ -703,13 +775,16 @@ def scatter_kv_tiled_kernel(
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, SCALAR_S: tl.constexpr, HW_NAN: tl.constexpr = False,
     SLOT_LINEAR: tl.constexpr = False, SAME_SCALE: tl.constexpr = False,
+    BS_SHIFT: tl.constexpr = -1, PACKED_WIDEN: tl.constexpr = False,
+    FAST_RCP: tl.constexpr = False,
 ) -> None:
     """One program per (BLOCK_T tokens, group of BLOCK_H heads) of a token-major cache
     (element ``(slot, h, d)`` at ``blk*sb + off*so + h*sh + d*sd``). MODE as
     :func:`scatter_kv_kernel`. SLOT_LINEAR: each block follows the last in both targets
     (``sb == block_size * so``), so ``blk*sb + off*so`` is ``slot*so``: no division.
     SAME_SCALE (with SCALAR_S): the caller passes one scale for K and V (the MLA latent
-    and rope parts), loaded, inverted and classified once."""
+    and rope parts), loaded, inverted and classified once. BS_SHIFT: :func:`_split_slot`'s.
+    PACKED_WIDEN (compiled fp8 writes of bf16 input): :func:`_widen_bf16_pairs`."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     pid_h = tl.program_id(1)
     tm = t < num_tokens
@@ -722,20 +797,19 @@ def scatter_kv_tiled_kernel(
     hm = h < num_heads
     kb = _tile_load(t, tm, h, hm, k_ptr, k_st, k_sh, k_sd, head_size_k, BLOCK_DK)
     vb = _tile_load(t, tm, h, hm, v_ptr, v_st, v_sh, v_sd, head_size_v, BLOCK_DV)
-    ks, kr, kkind = _load_scales(ks_ptr, ks_sh, h, hm, MODE, SCALAR_S, BLOCK_H)
+    ks, kr, kkind = _load_scales(ks_ptr, ks_sh, h, hm, MODE, SCALAR_S, BLOCK_H, FAST_RCP)
     if SAME_SCALE:
         vs, vr, vkind = ks, kr, kkind
     else:
-        vs, vr, vkind = _load_scales(vs_ptr, vs_sh, h, hm, MODE, SCALAR_S, BLOCK_H)
+        vs, vr, vkind = _load_scales(vs_ptr, vs_sh, h, hm, MODE, SCALAR_S, BLOCK_H, FAST_RCP)
     if SLOT_LINEAR:
         k_row = slot * kc_so
         v_row = slot * vc_so
     else:
-        blk = slot // block_size
-        off = slot % block_size
+        blk, off = _split_slot(slot, block_size, BS_SHIFT)
         k_row = blk * kc_sb + off * kc_so
         v_row = blk * vc_sb + off * vc_so
     _tile_store(kb, ks, kr, kkind, ok, k_row, h, hm, kc_ptr, kc_sh, kc_sd, head_size_k,
-                IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_DK)
+                IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_DK, PACKED_WIDEN)
     _tile_store(vb, vs, vr, vkind, ok, v_row, h, hm, vc_ptr, vc_sh, vc_sd, head_size_v,
-                IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_DV)
+                IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_DV, PACKED_WIDEN)

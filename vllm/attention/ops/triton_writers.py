@@ -217,7 +217,8 @@ def scatter_kv_launch(
              "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_DK": block_dk,
              "BLOCK_DV": block_dv, "SCALAR_S": _one_scale(mode, k_scale, v_scale),
              "SLOT_LINEAR": k_target.slot_linear and v_target.slot_linear,
-             "SAME_SCALE": same_scale and _one_scale(mode, k_scale, v_scale)},
+             "SAME_SCALE": same_scale and _one_scale(mode, k_scale, v_scale),
+             "BS_SHIFT": _bs_shift(k_target.block_size)},
             roles=("slots", "key", "value", "cache", "cache", *scale_roles),
         )
     return Launch(
@@ -326,9 +327,16 @@ def hardware_fp8_nan(device: torch.device) -> bool:
 
 def _fp8_consts(mode: int, device: torch.device) -> dict[str, int | bool]:
     """The fp8 constexprs shared by the tiled scatter and the fused RoPE kernel."""
-    return {"HW_CVT": mode != 0 and hardware_fp8(device),
+    hw = mode != 0 and hardware_fp8(device)
+    return {"HW_CVT": hw,
             "FAST_DIV": mode != 0 and fast_division(device),
-            "HW_NAN": mode != 0 and hardware_fp8_nan(device)}
+            "HW_NAN": mode != 0 and hardware_fp8_nan(device),
+            "PACKED_WIDEN": hw, "FAST_RCP": hw}
+
+
+def _bs_shift(block_size: int) -> int:
+    """``BS_SHIFT`` of the kernels: ``log2(block_size)`` for a power of two, else -1."""
+    return block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
 
 
 def scatter_kv(
@@ -417,17 +425,28 @@ def fp8_ds_mla(
 ROPE_OPTIONS: Final[dict[str, int | bool]] = {"enable_fp_fusion": False}
 """No FMA contraction: products and sums round one by one, as the torch reference does."""
 
-ROPE_FP8_WARPS: Final = 2
-"""``num_warps`` of the fused RoPE kernel writing an fp8 cache from
-:data:`ROPE_FEW_WARPS_FROM` rows on: its one-token programs convert 2048 values each,
-and at 2 warps the keys-only write at T=8192 cost 1.04 x the plain write (scale 1.0)
-and 0.94 x (scale 0.37) against 1.20 x / 1.17 x at 4 warps; at T <= 64 the 4-warp
-launch is faster (fused vs rotate-then-write 1.75-1.82 x against 1.56-1.61 x at 2),
-so smaller batches keep Triton's 4, as bf16 caches do (0.99 x at 4 warps, 1.00 x at
-2). H200 sweeps: ``benchmarks/results/h200/tune_rope_fp8.json``, ``fused_rope.json``."""
+ROPE_TILED_FROM: Final = 1024
+"""Rows from which the fused RoPE kernel launches :func:`rope_geometry`'s large-batch
+geometry; smaller batches take one token a program at Triton's 4 warps (they want
+every program they can get)."""
 
-ROPE_FEW_WARPS_FROM: Final = 1024
-"""Rows from which an fp8 fused RoPE write launches :data:`ROPE_FP8_WARPS` warps."""
+
+def rope_geometry(rows: int, mode: int, token_tile: int) -> tuple[int, int]:
+    """``(BLOCK_T, num_warps)`` of the fused RoPE kernel for ``rows`` rows, cache MODE and
+    ``token_tile`` elements a token (key head group x its widest operand). From
+    :data:`ROPE_TILED_FROM` rows: two tokens at 4 warps (the 64 threads a token of a
+    one-token 2-warp launch, half the programs), except fp8 writes of tiles under 1024
+    values (the MLA latent's 512: the rotated rope part is one 64-wide head), which keep
+    one token at 2 warps. H200, T=8192, against the plain write in the same run
+    (``benchmarks/results/h200/session6``): split bf16 1.001 x (one token, 4 warps:
+    1.02 x), split fp8 1.043 x at scale 1.0 and 1.093 x at 0.37 (one token, 2 warps:
+    1.055 x / 1.094 x); MLA bf16 5.85 us (one token, 4 warps: 9.00 us), MLA fp8 6.56 /
+    7.21 us at one token and 2 warps against 6.85 / 8.15 us at two and 4."""
+    if rows < ROPE_TILED_FROM:
+        return 1, 4
+    if mode != 0 and token_tile < 1024:
+        return 1, 2
+    return 2, 4
 
 
 def _rope_launch(
@@ -465,10 +484,12 @@ def _rope_launch(
         mode = 0
         k_t: tuple[torch.Tensor | int, ...] = (_bits(key), 0, 0, 0, 0, 0, 0)  # never read
         w_args: tuple[torch.Tensor | int, ...] = (
-            _bits(key), 0, 0, *_rows(key)[:4], 0, *k_t, *k_t, _bits(key), 0, _bits(key), 0, 1, 0)
+            _bits(key), 0, 0, rows, *_rows(key)[:4], 0, *k_t, *k_t, _bits(key), 0, _bits(key), 0,
+            1, 0)
         w_roles: tuple[str, ...] = ("key",) * 6
         xsplit = {"K_XO": 1, "K_XD": 1, "V_XO": 1, "V_XD": 1}
         scalar_s = False
+        bs_shift = -1
     else:
         value, k_target, v_target, slot_mapping, mode, k_scale, v_scale = write
         scalar_s = _one_scale(mode, k_scale, v_scale)
@@ -479,7 +500,7 @@ def _rope_launch(
         block_dv = _pow2(v_target.head_size)
         width = max(2 * block_r, block_pk, block_dv)
         rows = n if query is not None else slot_mapping.shape[0]
-        w_args = (slot_mapping, slot_mapping.stride(0), slot_mapping.shape[0],
+        w_args = (slot_mapping, slot_mapping.stride(0), slot_mapping.shape[0], rows,
                   *_rows(value), v_target.head_size,
                   *k_target.args(), *v_target.args(),
                   k_scale, 0 if k_scale.numel() == 1 else k_scale.stride(0),
@@ -488,6 +509,7 @@ def _rope_launch(
         w_roles = ("slots", "value", "cache", "cache", *scale_roles)
         xsplit = {"K_XO": k_target.off_split, "K_XD": k_target.dim_split,
                   "V_XO": v_target.off_split, "V_XD": v_target.dim_split}
+        bs_shift = _bs_shift(k_target.block_size)
     block_hk = min(_pow2(hk), max(1, _MAX_TILE // width))
     kv_groups = -(-hk // block_hk)
     args: tuple[torch.Tensor | int, ...] = (
@@ -501,15 +523,14 @@ def _rope_launch(
         "MODE": mode, "NEOX": neox,
         "WRITE": write is not None, "PASS_K": pass_k, **xsplit,
         "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_R": block_r,
-        "BLOCK_PK": block_pk, "BLOCK_DV": block_dv, "CACHE_HINTS": 1,
+        "BLOCK_PK": block_pk, "BLOCK_DV": block_dv, "CACHE_HINTS": 7,
         "SCALAR_S": scalar_s, "SAME_SCALE": same_scale and scalar_s,
-        **_fp8_consts(mode, key.device)}
+        "BS_SHIFT": bs_shift, **_fp8_consts(mode, key.device)}
     roles = ("positions", "cos_sin", *q_role, "key", *w_roles)
-    options = dict(ROPE_OPTIONS)
-    if mode != 0 and rows >= ROPE_FEW_WARPS_FROM:
-        options["num_warps"] = ROPE_FP8_WARPS
-    return Launch("rope_kv_kernel", (rows, q_groups + kv_groups), args, consts,
-                  options=options, roles=roles)
+    block_t, warps = rope_geometry(rows, mode, block_hk * width)
+    consts["BLOCK_T"] = block_t
+    return Launch("rope_kv_kernel", (-(-rows // block_t), q_groups + kv_groups), args, consts,
+                  options={**ROPE_OPTIONS, "num_warps": warps}, roles=roles)
 
 
 def rope_launch(
