@@ -17,6 +17,10 @@ Bit-exactness with the torch reference (``vllm.attention.writers``) rests on:
   ``tests/writers/test_writers_gpu.py`` and ``tests/speed/test_gpu.py`` hold them to
   the reference.
 
+The scales' reciprocals of compiled kernels (FAST_RCP) are ``div.rn``'s own fast
+sequence without its range check, exact for every scale they serve (GPU-tested for
+every such float32).
+
 Offsets that multiply a slot or a token index are int64 (caches can exceed 2**31
 elements). Layout diagrams: ``docs/layouts.md``.
 """
@@ -595,8 +599,9 @@ def rope_kv_kernel(
     :func:`scatter_kv_kernel`. CACHE_HINTS, bits: 1 the key/value rows are loaded
     ``evict_first``, 2 the cos/sin rows ``evict_last``, so that the table rows of this
     step's positions stay in L2 for the next layer's call while the rows stream
-    through; 4 the cache rows are stored ``evict_first`` too. SCALAR_S, SAME_SCALE, PACKED_WIDEN: as :func:`scatter_kv_tiled_kernel`;
-    BS_SHIFT: :func:`_split_slot`'s."""
+    through; 4 the cache rows are stored ``evict_first`` too. SCALAR_S, SAME_SCALE,
+    PACKED_WIDEN, FAST_RCP: as :func:`scatter_kv_tiled_kernel`; BS_SHIFT:
+    :func:`_split_slot`'s."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < num_rows
     g = tl.program_id(1)
@@ -784,7 +789,8 @@ def scatter_kv_tiled_kernel(
     (``sb == block_size * so``), so ``blk*sb + off*so`` is ``slot*so``: no division.
     SAME_SCALE (with SCALAR_S): the caller passes one scale for K and V (the MLA latent
     and rope parts), loaded, inverted and classified once. BS_SHIFT: :func:`_split_slot`'s.
-    PACKED_WIDEN (compiled fp8 writes of bf16 input): :func:`_widen_bf16_pairs`."""
+    PACKED_WIDEN (compiled fp8 writes of bf16 input): :func:`_widen_bf16_pairs`.
+    FAST_RCP (compiled fp8 writes): :func:`_reciprocal`'s."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     pid_h = tl.program_id(1)
     tm = t < num_tokens
