@@ -74,14 +74,16 @@ def _load_f32(ptrs: tl.tensor, mask: tl.tensor, IN_KIND: tl.constexpr,
               HINT: tl.constexpr = 0) -> tl.tensor:
     """Input bits to float32, exactly. IN_KIND: 0 fp32 (int32 bits), 1 fp16, 2 bf16 (int16
     bits). HINT: :func:`_ld`'s."""
-    bits = _ld(ptrs, mask, HINT)
-    if IN_KIND == 0:
-        x = bits.to(tl.float32, bitcast=True)
-    elif IN_KIND == 1:
-        x = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return x
+    return _widen(_ld(ptrs, mask, HINT), IN_KIND)
+
+
+@jit
+def _split_offset(i: tl.tensor, SPLIT: tl.constexpr, s_hi: tl.tensor, s_lo: tl.tensor
+                  ) -> tl.tensor:
+    """Element offset of index ``i`` stored split as ``(i // SPLIT, i % SPLIT)`` with
+    strides ``s_hi``, ``s_lo``: a slot's offset in its block or a dimension of the
+    x-split layouts (SPLIT 1: ``i * s_hi``)."""
+    return (i // SPLIT) * s_hi + (i % SPLIT) * s_lo
 
 
 @jit
@@ -148,8 +150,8 @@ def _scatter_rows(
     src = x_ptr + t * x_st + h[:, None] * x_sh + d[None, :] * x_sd
     blk = slot // block_size
     off = slot % block_size
-    base = blk * c_sb + (off // XO) * c_so_hi + (off % XO) * c_so_lo
-    dim_off = (d // XD) * c_sd_hi + (d % XD) * c_sd_lo
+    base = blk * c_sb + _split_offset(off, XO, c_so_hi, c_so_lo)
+    dim_off = _split_offset(d, XD, c_sd_hi, c_sd_lo)
     dst = c_ptr + base + h[:, None] * c_sh + dim_off[None, :]
     if MODE == 0:
         tl.store(dst, tl.load(src, mask=mask), mask=mask)
@@ -455,9 +457,9 @@ def _store_as(dst: tl.tensor, bits: tl.tensor, s: tl.tensor, r: tl.tensor, s_kin
     """Store input-dtype ``bits`` as the cache stores them (MODE 0 copy, 1 E4M3, 2 E5M2)
     after dividing by the scales ``s`` (broadcast against ``bits``); ``r`` and ``s_kind``
     are :func:`_load_scales`'s reciprocals and class of them. FAST_DIV:
-    :func:`_fp8_quotient` for class 1. HW_NAN: :func:`_fp8_store_bits`'s. IS_F32 (fp8 modes only): ``bits`` already holds
-    the input's values as float32 (:func:`_rotate_pairs` with AS_F32). PACKED: :func:`_widen`'s.
-    HINT: :func:`_st`'s."""
+    :func:`_fp8_quotient` for class 1. HW_NAN: :func:`_fp8_store_bits`'s. IS_F32 (fp8
+    modes only): ``bits`` already holds the input's values as float32
+    (:func:`_rotate_pairs` with AS_F32). PACKED: :func:`_widen`'s. HINT: :func:`_st`'s."""
     if MODE == 0:
         _st(dst, bits, mask, HINT)
     else:
@@ -668,23 +670,21 @@ def rope_kv_kernel(
             # every load before the first store (see scatter_kv_tiled_kernel)
             ok = ((slot >= 0) & (slot < num_slots))[:, None, None]
             blk, off = _split_slot(slot, block_size, BS_SHIFT)
-            kdst = (kc_ptr + (blk * kc_sb + (off // K_XO) * kc_so_hi
-                              + (off % K_XO) * kc_so_lo)[:, None, None]
-                    + h[None, :, None] * kc_sh)
-            k1 = kdst + ((i1 // K_XD) * kc_sd_hi + (i1 % K_XD) * kc_sd_lo)[None, None, :]
-            k2 = kdst + ((i2 // K_XD) * kc_sd_hi + (i2 % K_XD) * kc_sd_lo)[None, None, :]
+            k_row = blk * kc_sb + _split_offset(off, K_XO, kc_so_hi, kc_so_lo)
+            kdst = kc_ptr + k_row[:, None, None] + h[None, :, None] * kc_sh
+            k1 = kdst + _split_offset(i1, K_XD, kc_sd_hi, kc_sd_lo)[None, None, :]
+            k2 = kdst + _split_offset(i2, K_XD, kc_sd_hi, kc_sd_lo)[None, None, :]
             _store_as(k1, b1, sk, rk, kkind, ok & lm, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN,
                       ROT_F32, PACKED_WIDEN, SH)
             _store_as(k2, b2, sk, rk, kkind, ok & lm, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN,
                       ROT_F32, PACKED_WIDEN, SH)
             if PASS_K:
-                _store_as(kdst + ((d // K_XD) * kc_sd_hi + (d % K_XD) * kc_sd_lo)[None, None, :],
+                _store_as(kdst + _split_offset(d, K_XD, kc_sd_hi, kc_sd_lo)[None, None, :],
                           pbits, sk, rk, kkind, ok & pl, IN_KIND, MODE, HW_CVT, FAST_DIV,
                           HW_NAN, False, PACKED_WIDEN, SH)
-            vdst = (vc_ptr + (blk * vc_sb + (off // V_XO) * vc_so_hi
-                              + (off % V_XO) * vc_so_lo)[:, None, None]
-                    + h[None, :, None] * vc_sh)
-            _store_as(vdst + ((dv // V_XD) * vc_sd_hi + (dv % V_XD) * vc_sd_lo)[None, None, :],
+            v_row = blk * vc_sb + _split_offset(off, V_XO, vc_so_hi, vc_so_lo)
+            vdst = vc_ptr + v_row[:, None, None] + h[None, :, None] * vc_sh
+            _store_as(vdst + _split_offset(dv, V_XD, vc_sd_hi, vc_sd_lo)[None, None, :],
                       vbits, sv, rv, vkind, ok & vl, IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN,
                       False, PACKED_WIDEN, SH)
         else:
