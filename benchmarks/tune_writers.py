@@ -44,14 +44,12 @@ TARGETS = ["split_nhd/auto", "split_nhd/fp8_e4m3", "mla_latent/auto", "mla_laten
 
 def variant(launch: Launch, n: int, block_t: int, warps: int, fast: bool | None,
             hw_nan: bool | None = None) -> Launch:
-    consts = {**launch.constexprs, "BLOCK_T": block_t}
-    if fast is not None:
-        consts["FAST_DIV"] = fast
-    if hw_nan is not None:
-        consts["HW_NAN"] = hw_nan
-    grid = (-(-n // block_t), *launch.grid[1:])
-    return dataclasses.replace(launch, grid=grid, constexprs=consts,
-                               options={**launch.options, "num_warps": warps})
+    """The tiled sweep's variant: :func:`launch_variant` of ``BLOCK_T``, warps and, where
+    given, FAST_DIV and HW_NAN."""
+    spec = f"bt={block_t},warps={warps}"
+    spec += "" if fast is None else f",fast={int(fast)}"
+    spec += "" if hw_nan is None else f",nan={int(hw_nan)}"
+    return launch_variant(launch, spec, n)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -61,34 +59,35 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 ROPE_VARIANTS = ["default", "warps=1", "warps=4", "hints=0", "hints=2", "packed=0", "shift=-1",
                  "rcp=0", "shift=-1,rcp=0", "bt=2", "bt=2,warps=4", "bt=4,warps=8",
                  "maxnreg=40"]
-PLAIN_VARIANTS = ["default", "packed=0", "shift=-1", "rcp=0", "packed=0,shift=-1,rcp=0"]
-"""Variants of the fused RoPE launch (``--rope-variants``): comma-separated changes to
-the default launch: ``warps=N``, ``hints=B`` (``CACHE_HINTS`` bits), ``packed=0/1``
-(``PACKED_WIDEN``), ``shift=-1`` (``BS_SHIFT``: divide by the block size), ``bt=N``
-(``BLOCK_T`` tokens a program), ``rcp=0/1`` (``FAST_RCP``), ``maxnreg=N`` (register
-cap). The plain write is timed with the changes of ``PLAIN_VARIANTS``
+"""Variants of the fused RoPE launch (``--rope-variants``), as :func:`launch_variant`
+specs. The plain write is timed with the changes of ``PLAIN_VARIANTS``
 (``--plain-variants``)."""
 
+PLAIN_VARIANTS = ["default", "packed=0", "shift=-1", "rcp=0", "packed=0,shift=-1,rcp=0"]
+
 _KNOBS = {"hints": "CACHE_HINTS", "packed": "PACKED_WIDEN", "shift": "BS_SHIFT",
-          "bt": "BLOCK_T", "rcp": "FAST_RCP"}
+          "bt": "BLOCK_T", "rcp": "FAST_RCP", "fast": "FAST_DIV", "nan": "HW_NAN"}
+_INT_KNOBS = {"hints", "shift", "bt"}
 
 
-def _rope_variant(base: Launch, spec: str, rows: int) -> Launch:
-    """``base`` changed as ``spec`` says (see :data:`ROPE_VARIANTS`)."""
+def launch_variant(base: Launch, spec: str, rows: int) -> Launch:
+    """``base`` changed as ``spec`` says: comma-separated ``warps=N``, ``maxnreg=N``
+    (register cap), ``hints=B`` (``CACHE_HINTS`` bits), ``packed=0/1`` (``PACKED_WIDEN``),
+    ``shift=-1`` (``BS_SHIFT``: divide by the block size), ``bt=N`` (``BLOCK_T`` tokens a
+    program; the grid follows for ``rows`` rows), ``rcp=0/1`` (``FAST_RCP``),
+    ``fast=0/1`` (``FAST_DIV``), ``nan=0/1`` (``HW_NAN``); ``default`` changes nothing."""
     consts = dict(base.constexprs)
     options = dict(base.options)
     for item in filter(None, spec.split(",")):
         if item == "default":
             continue
         key, _, value = item.partition("=")
-        if key == "warps":
-            options["num_warps"] = int(value)
-        elif key == "maxnreg":
-            options["maxnreg"] = int(value)
+        if key in ("warps", "maxnreg"):
+            options["num_warps" if key == "warps" else key] = int(value)
         elif key in _KNOBS:
-            consts[_KNOBS[key]] = int(value) if key in ("hints", "shift", "bt") else bool(int(value))
+            consts[_KNOBS[key]] = int(value) if key in _INT_KNOBS else bool(int(value))
         else:
-            raise ValueError(f"--rope-variants: unknown knob {key!r} in {spec!r}")
+            raise ValueError(f"launch variant: unknown knob {key!r} in {spec!r}")
     grid = (-(-rows // int(consts.get("BLOCK_T", 1))), *base.grid[1:])
     return dataclasses.replace(base, grid=grid, constexprs=consts, options=options)
 
@@ -133,7 +132,7 @@ def _rope_sweep(dev: torch.device, specs: list[str], scales: list[float],
             launch.run()
             want = _raw(x["cache"]).clone()
             for spec in variants:
-                v = _rope_variant(launch, spec, n)
+                v = launch_variant(launch, spec, n)
                 try:
                     x["cache"].zero_()
                     v.run()
