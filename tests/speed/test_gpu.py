@@ -119,7 +119,10 @@ def test_fused_rope_cuda_every_bf16_pattern(cache_dtype: str, scales_per: str,
     rope_cpu, rope_dev = RoPE.build(128, 64), RoPE.build(128, 64, device=DEV)
     storage = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[cache_dtype]
     if scales_per == "head":
+        # a negative or huge scale sends the program's heads to the IEEE division; the
+        # second set keeps every head on FAST_DIV
         sets = [[0.5, 2.0, 1.0, 0.25, 4.0, 1.0, 2.0**-10, 8.0],
+                [0.37, 3.0, 0.1, 1 / 3, 7.0, 448 / 3, 1.5, 1.5 * 2.0**-30],
                 [0.37, 3.0, 0.1, 1 / 3, 7.0, 448 / 3, -1.5, 1.5 * 2.0**-30],
                 [0.37, 3.0, 0.1, 1 / 3, 7.0, 448 / 3, -1.5, 2.0**127]]
     else:

@@ -177,7 +177,8 @@ def _division_scales(gen: torch.Generator) -> list[float]:
                 for v in (1.0, 2.0, 4.0)]
     special += [float(torch.nextafter(torch.tensor(v), torch.tensor(10.0)))
                 for v in (1.0, 2.0, 0.5)]
-    # both edges of FAST_DIV's moderate range, 2**-30 <= |s| < 2**30 (_scale_kind)
+    # both edges of FAST_DIV's moderate range, 2**-30 <= s < 2**30 (_scale_kind; a
+    # negative one is divided by IEEE division)
     special += [1.5 * 2.0**-30, -1.75 * 2.0**29, 1.25 * 2.0**-31,
                 float(torch.nextafter(torch.tensor(2.0**30), torch.tensor(0.0)))]
     special += [float(v) for v in (10.0 ** (torch.rand(48, generator=gen) * 8 - 4))]

@@ -372,13 +372,15 @@ def _scale_kind(s: tl.tensor) -> tl.tensor:
       float32 multiplication rounds it as division does (overflow, underflow, signed
       zeros and NaN included): one multiply an element. Scale 1.0 (no calibration) is
       one.
-    * 1: any other finite ``s`` with ``2**-30 <= |s| < 2**30``: :func:`_fp8_quotient`
-      (FAST_DIV) when the launch allows it, else the IEEE division.
-    * 2: the rest (zero, subnormal, huge, infinite, NaN): the IEEE division."""
+    * 1: any other ``s`` with ``2**-30 <= s < 2**30`` (positive: :func:`_fp8_quotient`
+      keeps a zero's sign only for ``s > 0``): :func:`_fp8_quotient` (FAST_DIV) when
+      the launch allows it, else the IEEE division.
+    * 2: the rest (zero, negative non-powers of two, subnormal, huge, infinite, NaN):
+      the IEEE division."""
     b = s.to(tl.uint32, bitcast=True)
     e = (b >> 23) & 0xFF
     pow2 = ((b & 0x7FFFFF) == 0) & (e >= 1) & (e <= 253)
-    moderate = (e >= 97) & (e <= 156)
+    moderate = (e >= 97) & (e <= 156) & (b < 0x80000000)
     return tl.where(pow2, 0, tl.where(moderate, 1, 2))
 
 
@@ -433,19 +435,30 @@ def _load_scales(s_ptr: tl.tensor, s_sh: tl.tensor, h: tl.tensor, hm: tl.tensor,
 def _fp8_quotient(x: tl.tensor, s: tl.tensor, r: tl.tensor) -> tl.tensor:
     """``x / s`` as the fp8 store that follows sees it, for scales ``s`` (broadcast
     against ``x``) of :func:`_scale_kind` 1 (compiled kernels only: it needs a true
-    fused multiply-add). ``r``: the correctly rounded reciprocals ``1/s``; per element
-    ``q = x*r`` and one Markstein correction ``q + (x - q*s)*r`` (two FMAs; the
-    remainder is exact). Where the correction is NaN (``x`` or ``q`` infinite) ``q``
-    stands, and a zero quotient keeps ``q``'s sign (the correction alone would make
-    ``-0`` ``+0``). Wherever the result can differ from the IEEE quotient its magnitude
-    is below 2**-40 or above 2**64, where both store the same fp8 byte
+    fused multiply-add and inline PTX). ``r``: the correctly rounded reciprocals
+    ``1/s``. Per element:
+
+    * ``x`` is clamped to ``|x| <= 2**64`` keeping its sign and NaN (one
+      ``min.NaN.xorsign.abs``): beyond that ``x / s > 2**34`` and fp8 saturates for both,
+      and below it ``q`` cannot overflow, so the correction is never ``inf - inf``
+      (which made the old form select ``q`` where the correction was NaN);
+    * ``q = x*r`` and one Markstein correction written with the residual's sign turned,
+      ``q - (q*s - x)*r`` (two FMAs; the residual is exact). For ``x = +-0`` the
+      residual is ``+0`` and its product with ``-r`` is ``-0``, which keeps ``q``'s
+      sign: ``-0`` stays ``-0`` with no fix-up (``s > 0`` in class 1).
+
+    Wherever the result can differ from the IEEE quotient its magnitude is below
+    2**-40 or above 2**34, where both store the same fp8 byte
     (``tests/writers/test_fast_division.py`` checks the arithmetic on CPU, bit for bit,
-    with an exact FMA; the GPU test every stored byte)."""
-    q = x * r
-    q2 = tl.fma(tl.fma(q, -s, x), r, q)
-    y = tl.where(q2 != q2, q, q2).to(tl.uint32, bitcast=True)
-    sign = q.to(tl.uint32, bitcast=True) & 0x80000000
-    return (y | sign).to(tl.float32, bitcast=True)
+    with an exact FMA; the GPU tests every stored byte)."""
+    # inline PTX throughout: Triton's ``-x`` is ``0 - x``, an FADD of its own, where
+    # ptxas folds a ``neg`` into the FMA's operand (4 instructions an element in all)
+    return tl.inline_asm_elementwise(
+        "{ .reg .f32 c, q, e; min.NaN.xorsign.abs.f32 c, $1, 0f5F800000; "
+        "mul.rn.f32 q, c, $3; neg.f32 c, c; fma.rn.f32 e, q, $2, c; "
+        "neg.f32 e, e; fma.rn.f32 $0, e, $3, q; }",
+        "=r,r,r,r", [x, tl.broadcast_to(s, x.shape), tl.broadcast_to(r, x.shape)],
+        dtype=tl.float32, is_pure=True, pack=1)
 
 
 @jit
