@@ -144,7 +144,9 @@ def record_writers() -> list:
 
     def add(name: str, launch: Any, **const: Any) -> None:
         if const.get("HW_CVT"):  # as the launches select it on sm_89+
-            const.setdefault("PACKED_WIDEN", True)
+            warps = int(launch.options.get("num_warps", tw.TRITON_DEFAULT_WARPS))
+            tiles = tw.input_tiles(launch.kernel, {**launch.constexprs, **const})
+            const.setdefault("PACKED_WIDEN", tw.pairs_fit(tiles, warps))
             const.setdefault("FAST_RCP", True)
         launch = dataclasses.replace(launch, constexprs={**launch.constexprs, **const})
         calls.append((name, getattr(kern, launch.kernel), launch.args,
@@ -214,6 +216,24 @@ def record_writers() -> list:
     add("tiled-mla-latent", tw.scatter_kv_launch(
         kv_c, pe, tw.ScatterTarget.token_major(latent.unsqueeze(2)),
         tw.ScatterTarget.token_major(rope.unsqueeze(2)), slots, 0, scale[:1], scale[:1]))
+    # tiles of fewer elements than threads (one head of 1, 2 or 4 dimensions, rows
+    # contiguous or every other element): the one-element code, where the two-element
+    # inline PTX cannot compile
+    for dim, step in ((1, 1), (2, 1), (2, 2), (4, 1)):
+        small = torch.zeros(t, 1, dim * step, dtype=torch.bfloat16)[:, :, ::step]
+        cache8 = torch.zeros(300, 2, 16, 1, dim, dtype=torch.uint8)
+        st = [tw.ScatterTarget.token_major(x)
+              for x in split_kv_views(cache8, KVCacheLayout.SPLIT_NHD)]
+        for n in (1, t):
+            add(f"tiled-fp8-H1D{dim}s{step}-T{n}-hwcvt-fastdiv-hwnan", tw.scatter_kv_launch(
+                small[:n], small[:n], st[0], st[1], slots[:n], 1, scale[:1], scale[:1]),
+                HW_CVT=True, FAST_DIV=True, HW_NAN=True)
+            if dim == 1:  # no rotary pair
+                continue
+            add(f"rope-fp8-H1D{dim}s{step}-T{n}-hwcvt-fastdiv-hwnan", tw.rope_kv_launch(
+                None, small[:n], small[:n], st[0], st[1], slots[:n], slots[:n],
+                torch.zeros(4096, dim), True, 1, scale[:1], scale[:1]),
+                HW_CVT=True, FAST_DIV=True, HW_NAN=True)
     return calls
 
 

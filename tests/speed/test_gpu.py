@@ -20,6 +20,7 @@ from tests.writers.oracle import edge_values
 from vllm.attention import KVQuant, allocate_kv_cache
 from vllm.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.attention.batch import make_paged_batch
+from vllm.attention.layouts import split_kv_views
 from vllm.attention.layer import Attention
 from vllm.attention.ops import triton_writers as tw
 from vllm.attention.rope import RoPE, rotate_reference
@@ -100,6 +101,37 @@ def test_fused_rope_cuda_equals_rotate_then_write(style: str, cache_dtype: str, 
         assert torch.equal(raw(cache), raw(want))
         assert torch.equal(q_got.view(torch.int16),
                            rotate_reference(q, positions, rope).view(torch.int16))
+
+
+@pytest.mark.parametrize("t", [1, 3000])
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize(("h", "d"), [(1, 2), (1, 4), (2, 16)])
+def test_small_heads_cuda_take_the_one_element_code(h: int, d: int, cache_dtype: str,
+                                                    t: int) -> None:
+    """Tiles too small for two elements a thread (``tw.pairs_fit``; their two-element
+    inline PTX does not compile): the fused RoPE + fp8 write and the plain write, byte
+    for byte with the reference, through the one-element widening and rounding."""
+    w = SplitKVCacheWriter(L.SPLIT_NHD)
+    rope = RoPE.build(d, 4096, device=DEV)
+    for seed in range(2):
+        key, value, cache, slots, quant = _split_inputs(t, t + 3, cache_dtype, seed, h=h, d=d,
+                                                        nb=max(64, t // 8))
+        positions = torch.randint(0, 4096, (t + 3,),
+                                  generator=torch.Generator().manual_seed(seed)).to(DEV)
+        want = cache.clone()
+        reference_write(L.SPLIT_NHD, rotate_reference(key, positions, rope), value, want, slots,
+                        quant)
+        w.write_with_rope(None, key, value, cache, slots, quant, positions, rope)
+        assert torch.equal(raw(cache), raw(want))
+        reference_write(L.SPLIT_NHD, key, value, want, slots, quant)
+        w.write(key, value, cache, slots, quant)
+        assert torch.equal(raw(cache), raw(want))
+    launch = tw.scatter_kv_launch(key, value, *(tw.ScatterTarget.token_major(x) for x in
+                                  split_kv_views(cache, L.SPLIT_NHD)), slots, 1,
+                                  quant.k_scale, quant.v_scale)
+    assert launch.constexprs["HW_CVT"]
+    if h * d <= 4:  # at most 16 tokens of 4 values a program: under 2 a thread of 128
+        assert not launch.constexprs["PACKED_WIDEN"]
 
 
 @pytest.mark.parametrize("scales_per", ["head", "tensor"])

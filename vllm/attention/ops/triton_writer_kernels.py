@@ -515,13 +515,14 @@ def _round_to_bf16_pairs(x: tl.tensor) -> tl.tensor:
 @jit
 def _rotate_pairs(
     x1: tl.tensor, x2: tl.tensor, c: tl.tensor, s: tl.tensor, IN_KIND: tl.constexpr,
-    AS_F32: tl.constexpr = False,
+    AS_F32: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ) -> tuple[tl.tensor, tl.tensor]:
     """Rotated input-dtype bits of the pairs ``(x1, x2)`` (input bits) by ``c``, ``s``
     (float32, broadcast against them). AS_F32 (compiled kernels writing fp8): the same
     values as float32 (the rotated row rounded to the input dtype by the hardware
     conversion, round to nearest even; a NaN may keep its payload, which no fp8 byte
-    shows), for :func:`_store_as` with IS_F32."""
+    shows), for :func:`_store_as` with IS_F32; bf16 rows two at a time
+    (:func:`_round_to_bf16_pairs`) with PAIRS (the launch's PACKED_WIDEN)."""
     y1 = _widen(x1, IN_KIND)
     y2 = _widen(x2, IN_KIND)
     o1 = y1 * c - y2 * s
@@ -532,9 +533,12 @@ def _rotate_pairs(
     elif IN_KIND == 1:
         r1 = o1.to(tl.float16).to(tl.float32)
         r2 = o2.to(tl.float16).to(tl.float32)
-    elif IN_KIND == 2:
+    elif IN_KIND == 2 and PAIRS:
         r1 = _round_to_bf16_pairs(o1)
         r2 = _round_to_bf16_pairs(o2)
+    elif IN_KIND == 2:
+        r1 = o1.to(tl.bfloat16).to(tl.float32)
+        r2 = o2.to(tl.bfloat16).to(tl.float32)
     else:
         r1 = o1
         r2 = o2
@@ -546,12 +550,12 @@ def _rotate_at(
     x1: tl.tensor, x2: tl.tensor, pos_ptrs: tl.tensor, tm: tl.tensor, cs_ptr: tl.tensor,
     cs_sp: tl.tensor, cs_sd: tl.tensor, j: tl.tensor, half: tl.tensor, jm: tl.tensor,
     IN_KIND: tl.constexpr, CS_KIND: tl.constexpr, HINT: tl.constexpr,
-    AS_F32: tl.constexpr = False,
+    AS_F32: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ) -> tuple[tl.tensor, tl.tensor]:
     """:func:`_rotate_pairs` of rows ``[BLOCK_T, H, BLOCK_R]`` by the cos/sin rows of
     the positions at ``pos_ptrs`` ``[BLOCK_T]`` (tokens in range ``tm``): the positions
     are loaded here, after the caller's row loads, so the rows do not wait for them.
-    HINT: the table rows' :func:`_ld` hint."""
+    HINT: the table rows' :func:`_ld` hint; AS_F32, PAIRS: :func:`_rotate_pairs`'s."""
     pos = tl.load(pos_ptrs, mask=tm, other=0)
     # the table row is loaded in the rows' own layout (each thread the columns it
     # rotates; repeats hit L1): a [BLOCK_R] load broadcast to the rows would be
@@ -561,7 +565,7 @@ def _rotate_at(
     m2 = jm[None, None, :] & (zero == 0)
     c = _load_f32(row + (j * cs_sd)[None, None, :], m2, CS_KIND, HINT)
     s = _load_f32(row + ((j + half) * cs_sd)[None, None, :], m2, CS_KIND, HINT)
-    o1, o2 = _rotate_pairs(x1, x2, c, s, IN_KIND, AS_F32)
+    o1, o2 = _rotate_pairs(x1, x2, c, s, IN_KIND, AS_F32, PAIRS)
     return o1, o2
 
 
@@ -615,7 +619,8 @@ def rope_kv_kernel(
     ``evict_first``, 2 the cos/sin rows ``evict_last``, so that the table rows of this
     step's positions stay in L2 for the next layer's call while the rows stream
     through; 4 the cache rows are stored ``evict_first`` too. SCALAR_S, SAME_SCALE,
-    PACKED_WIDEN, FAST_RCP: as :func:`scatter_kv_tiled_kernel`; BS_SHIFT:
+    PACKED_WIDEN (also the rotated keys' rounding, :func:`_rotate_pairs`' PAIRS),
+    FAST_RCP: as :func:`scatter_kv_tiled_kernel`; BS_SHIFT:
     :func:`_split_slot`'s."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < num_rows
@@ -679,7 +684,7 @@ def rope_kv_kernel(
             # input dtype instead of the integer code; no bits in between)
             ROT_F32: tl.constexpr = MODE != 0 and HW_CVT
             b1, b2 = _rotate_at(kx1, kx2, pos_ptr + t * pos_st, tm, cs_ptr, cs_sp, cs_sd, j,
-                                half, jm, IN_KIND, CS_KIND, TABLE_HINT, ROT_F32)
+                                half, jm, IN_KIND, CS_KIND, TABLE_HINT, ROT_F32, PACKED_WIDEN)
             # every load before the first store (see scatter_kv_tiled_kernel)
             ok = ((slot >= 0) & (slot < num_slots))[:, None, None]
             blk, off = _split_slot(slot, block_size, BS_SHIFT)
@@ -802,8 +807,9 @@ def scatter_kv_tiled_kernel(
     (``sb == block_size * so``), so ``blk*sb + off*so`` is ``slot*so``: no division.
     SAME_SCALE (with SCALAR_S): the caller passes one scale for K and V (the MLA latent
     and rope parts), loaded, inverted and classified once. BS_SHIFT: :func:`_split_slot`'s.
-    PACKED_WIDEN (compiled fp8 writes of bf16 input): :func:`_widen_bf16_pairs`.
-    FAST_RCP (compiled fp8 writes): :func:`_reciprocal`'s."""
+    PACKED_WIDEN (compiled fp8 writes of bf16 input, tiles of two or more elements a
+    thread: ``triton_writers.pairs_fit``): :func:`_widen_bf16_pairs`. FAST_RCP (compiled
+    fp8 writes): :func:`_reciprocal`'s."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     pid_h = tl.program_id(1)
     tm = t < num_tokens

@@ -16,7 +16,7 @@ import importlib
 import importlib.util
 import os
 from dataclasses import dataclass, field
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, Final, Literal
 
@@ -201,6 +201,15 @@ def scatter_kv_launch(
     block_h = min(_pow2(h), max(1, _MAX_TILE // max(block_dk, block_dv)))
     if scatter_kernel_for(k_target, v_target) == "tiled":
         block_t = tokens_per_program(n, block_h * max(block_dk, block_dv))
+        consts: dict[str, int | bool] = {
+            "IN_KIND": _IN_KIND[key.dtype], "MODE": mode,
+            **_fp8_consts(mode, k_target.tensor.device),
+            "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_DK": block_dk,
+            "BLOCK_DV": block_dv, "SCALAR_S": _one_scale(mode, k_scale, v_scale),
+            "SLOT_LINEAR": k_target.slot_linear and v_target.slot_linear,
+            "SAME_SCALE": same_scale and _one_scale(mode, k_scale, v_scale),
+            "BS_SHIFT": _bs_shift(k_target.block_size)}
+        _packed_widen("scatter_kv_tiled_kernel", consts, TRITON_DEFAULT_WARPS)
         return Launch(
             "scatter_kv_tiled_kernel", (-(-n // block_t), -(-h // block_h)),
             (slot_mapping, slot_mapping.stride(0), n,
@@ -212,14 +221,7 @@ def scatter_kv_launch(
              k_scale, 0 if k_scale.numel() == 1 else k_scale.stride(0),
              v_scale, 0 if v_scale.numel() == 1 else v_scale.stride(0),
              h, k_target.block_size, k_target.num_slots, dk, dv),
-            {"IN_KIND": _IN_KIND[key.dtype], "MODE": mode,
-             **_fp8_consts(mode, k_target.tensor.device),
-             "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_DK": block_dk,
-             "BLOCK_DV": block_dv, "SCALAR_S": _one_scale(mode, k_scale, v_scale),
-             "SLOT_LINEAR": k_target.slot_linear and v_target.slot_linear,
-             "SAME_SCALE": same_scale and _one_scale(mode, k_scale, v_scale),
-             "BS_SHIFT": _bs_shift(k_target.block_size)},
-            roles=("slots", "key", "value", "cache", "cache", *scale_roles),
+            consts, roles=("slots", "key", "value", "cache", "cache", *scale_roles),
         )
     return Launch(
         "scatter_kv_kernel", (n, -(-h // block_h)),
@@ -325,13 +327,44 @@ def hardware_fp8_nan(device: torch.device) -> bool:
     return _cuda_capability(device) in _HW_NAN_CANONICAL
 
 
+TRITON_DEFAULT_WARPS: Final = 4
+"""``num_warps`` of a launch that sets none (the tiled scatter)."""
+
+
+def input_tiles(kernel: str, consts: Mapping[str, int | bool]) -> list[int]:
+    """Element counts of the tiles of input rows one program of ``kernel``
+    (``scatter_kv_tiled_kernel`` or ``rope_kv_kernel``) holds, from its constexprs."""
+    t = int(consts.get("BLOCK_T", 1))
+    if kernel == "rope_kv_kernel":
+        dims = ["BLOCK_R", "BLOCK_DV"] + (["BLOCK_PK"] if consts["PASS_K"] else [])
+        return [t * int(consts["BLOCK_HK"]) * int(consts[d]) for d in dims]
+    return [t * int(consts["BLOCK_H"]) * int(consts[d]) for d in ("BLOCK_DK", "BLOCK_DV")]
+
+
+def pairs_fit(tiles: Iterable[int], num_warps: int) -> bool:
+    """Whether every thread holds an even number of elements of each of ``tiles`` (their
+    element counts, powers of two), which the kernels' two-element inline PTX
+    (``PACKED_WIDEN``: ``_widen_bf16_pairs``, ``_round_to_bf16_pairs``) requires.
+    Triton spreads a power-of-two tile over the ``32 * num_warps`` threads without
+    repeating an element once it has at least that many, so twice that many is enough;
+    smaller tiles (a few heads of a few dimensions) take the one-element code."""
+    return all(t >= 64 * num_warps for t in tiles)
+
+
 def _fp8_consts(mode: int, device: torch.device) -> dict[str, int | bool]:
-    """The fp8 constexprs shared by the tiled scatter and the fused RoPE kernel."""
+    """The fp8 constexprs shared by the tiled scatter and the fused RoPE kernel
+    (``PACKED_WIDEN`` as :func:`_packed_widen` sets it)."""
     hw = mode != 0 and hardware_fp8(device)
     return {"HW_CVT": hw,
             "FAST_DIV": mode != 0 and fast_division(device),
             "HW_NAN": mode != 0 and hardware_fp8_nan(device),
             "PACKED_WIDEN": hw, "FAST_RCP": hw}
+
+
+def _packed_widen(kernel: str, consts: dict[str, int | bool], num_warps: int) -> None:
+    """``PACKED_WIDEN`` in ``consts`` kept only where the tiles fit :func:`pairs_fit`."""
+    consts["PACKED_WIDEN"] = bool(consts["PACKED_WIDEN"]) and pairs_fit(
+        input_tiles(kernel, consts), num_warps)
 
 
 def _bs_shift(block_size: int) -> int:
@@ -529,6 +562,7 @@ def _rope_launch(
     roles = ("positions", "cos_sin", *q_role, "key", *w_roles)
     block_t, warps = rope_geometry(rows, mode, block_hk * width)
     consts["BLOCK_T"] = block_t
+    _packed_widen("rope_kv_kernel", consts, warps)
     return Launch("rope_kv_kernel", (-(-rows // block_t), q_groups + kv_groups), args, consts,
                   options={**ROPE_OPTIONS, "num_warps": warps}, roles=roles)
 
