@@ -474,7 +474,9 @@ def rope_geometry(rows: int, mode: int, token_tile: int) -> tuple[int, int]:
     (``benchmarks/results/h200/session6``): split bf16 1.001 x (one token, 4 warps:
     1.02 x), split fp8 1.043 x at scale 1.0 and 1.093 x at 0.37 (one token, 2 warps:
     1.055 x / 1.094 x); MLA bf16 5.85 us (one token, 4 warps: 9.00 us), MLA fp8 6.56 /
-    7.21 us at one token and 2 warps against 6.85 / 8.15 us at two and 4."""
+    7.21 us at one token and 2 warps against 6.85 / 8.15 us at two and 4. With the
+    seventh session's 4-instruction FAST_DIV, split fp8 at 0.37: 1.044 x (one token:
+    1.197 x; four at 8 warps: 1.049 x; ``session7/run1_ab/tune.txt``)."""
     if rows < ROPE_TILED_FROM:
         return 1, 4
     if mode != 0 and token_tile < 1024:
