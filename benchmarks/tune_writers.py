@@ -37,7 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_writers as bw  # noqa: E402
 from _timing import copy_ceiling_gbps  # noqa: E402
 
-from vllm.attention.ops.triton_writers import Launch, triton_importable  # noqa: E402
+from vllm.attention.ops.triton_writers import (  # noqa: E402
+    TRITON_DEFAULT_WARPS,
+    Launch,
+    input_tiles,
+    pairs_fit,
+    triton_importable,
+)
 
 TARGETS = ["split_nhd/auto", "split_nhd/fp8_e4m3", "mla_latent/auto", "mla_latent/fp8_e4m3"]
 
@@ -75,9 +81,12 @@ def launch_variant(base: Launch, spec: str, rows: int) -> Launch:
     (register cap), ``hints=B`` (``CACHE_HINTS`` bits), ``packed=0/1`` (``PACKED_WIDEN``),
     ``shift=-1`` (``BS_SHIFT``: divide by the block size), ``bt=N`` (``BLOCK_T`` tokens a
     program; the grid follows for ``rows`` rows), ``rcp=0/1`` (``FAST_RCP``),
-    ``fast=0/1`` (``FAST_DIV``), ``nan=0/1`` (``HW_NAN``); ``default`` changes nothing."""
+    ``fast=0/1`` (``FAST_DIV``), ``nan=0/1`` (``HW_NAN``); ``default`` changes nothing.
+    Without ``packed=``, ``PACKED_WIDEN`` is dropped where the variant's tiles no longer
+    fit :func:`~vllm.attention.ops.triton_writers.pairs_fit` (as a launch would)."""
     consts = dict(base.constexprs)
     options = dict(base.options)
+    packed_named = False
     for item in filter(None, spec.split(",")):
         if item == "default":
             continue
@@ -86,8 +95,12 @@ def launch_variant(base: Launch, spec: str, rows: int) -> Launch:
             options["num_warps" if key == "warps" else key] = int(value)
         elif key in _KNOBS:
             consts[_KNOBS[key]] = int(value) if key in _INT_KNOBS else bool(int(value))
+            packed_named = packed_named or key == "packed"
         else:
             raise ValueError(f"launch variant: unknown knob {key!r} in {spec!r}")
+    if not packed_named and consts.get("PACKED_WIDEN"):
+        warps = int(options.get("num_warps", TRITON_DEFAULT_WARPS))
+        consts["PACKED_WIDEN"] = pairs_fit(input_tiles(base.kernel, consts), warps)
     grid = (-(-rows // int(consts.get("BLOCK_T", 1))), *base.grid[1:])
     return dataclasses.replace(base, grid=grid, constexprs=consts, options=options)
 
