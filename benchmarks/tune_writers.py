@@ -40,8 +40,7 @@ from _timing import copy_ceiling_gbps  # noqa: E402
 from vllm.attention.ops.triton_writers import (  # noqa: E402
     TRITON_DEFAULT_WARPS,
     Launch,
-    input_tiles,
-    pairs_fit,
+    packed_widen,
     triton_importable,
 )
 
@@ -82,8 +81,8 @@ def launch_variant(base: Launch, spec: str, rows: int) -> Launch:
     ``shift=-1`` (``BS_SHIFT``: divide by the block size), ``bt=N`` (``BLOCK_T`` tokens a
     program; the grid follows for ``rows`` rows), ``rcp=0/1`` (``FAST_RCP``),
     ``fast=0/1`` (``FAST_DIV``), ``nan=0/1`` (``HW_NAN``); ``default`` changes nothing.
-    Without ``packed=``, ``PACKED_WIDEN`` is dropped where the variant's tiles no longer
-    fit :func:`~vllm.attention.ops.triton_writers.pairs_fit` (as a launch would)."""
+    Without ``packed=``, ``PACKED_WIDEN`` follows the variant's tiles and warps as a
+    launch's would (:func:`~vllm.attention.ops.triton_writers.packed_widen`)."""
     consts = dict(base.constexprs)
     options = dict(base.options)
     packed_named = False
@@ -98,9 +97,9 @@ def launch_variant(base: Launch, spec: str, rows: int) -> Launch:
             packed_named = packed_named or key == "packed"
         else:
             raise ValueError(f"launch variant: unknown knob {key!r} in {spec!r}")
-    if not packed_named and consts.get("PACKED_WIDEN"):
+    if not packed_named:
         warps = int(options.get("num_warps", TRITON_DEFAULT_WARPS))
-        consts["PACKED_WIDEN"] = pairs_fit(input_tiles(base.kernel, consts), warps)
+        consts["PACKED_WIDEN"] = packed_widen(base.kernel, consts, warps)
     grid = (-(-rows // int(consts.get("BLOCK_T", 1))), *base.grid[1:])
     return dataclasses.replace(base, grid=grid, constexprs=consts, options=options)
 

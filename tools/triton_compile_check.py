@@ -145,8 +145,8 @@ def record_writers() -> list:
     def add(name: str, launch: Any, **const: Any) -> None:
         if const.get("HW_CVT"):  # as the launches select it on sm_89+
             warps = int(launch.options.get("num_warps", tw.TRITON_DEFAULT_WARPS))
-            tiles = tw.input_tiles(launch.kernel, {**launch.constexprs, **const})
-            const.setdefault("PACKED_WIDEN", tw.pairs_fit(tiles, warps))
+            const.setdefault("PACKED_WIDEN", tw.packed_widen(
+                launch.kernel, {**launch.constexprs, **const}, warps))
             const.setdefault("FAST_RCP", True)
         launch = dataclasses.replace(launch, constexprs={**launch.constexprs, **const})
         calls.append((name, getattr(kern, launch.kernel), launch.args,

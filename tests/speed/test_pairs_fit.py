@@ -54,8 +54,8 @@ def test_small_tiles_drop_packed_widen_in_the_launch_and_the_sweep(
     one = torch.ones(1)
     st = _targets(1, 2)
     launch = tw.scatter_kv_launch(small, small, st[0], st[1], slots, 1, one, one)
-    consts = {**launch.constexprs, "PACKED_WIDEN": True}
-    tw._packed_widen(launch.kernel, consts, tw.TRITON_DEFAULT_WARPS)
+    consts = {**launch.constexprs, "HW_CVT": True}  # as built on an sm_89+ GPU
+    consts["PACKED_WIDEN"] = tw.packed_widen(launch.kernel, consts, tw.TRITON_DEFAULT_WARPS)
     assert not consts["PACKED_WIDEN"]
 
     key = torch.zeros(8192, 8, 128, dtype=torch.bfloat16)
@@ -63,7 +63,8 @@ def test_small_tiles_drop_packed_widen_in_the_launch_and_the_sweep(
     kt, vt = _targets(8, 128)
     rope = tw.rope_kv_launch(None, key, key, kt, vt, slots, slots, torch.zeros(4096, 128),
                              True, 1, one, one)
-    base = dataclasses.replace(rope, constexprs={**rope.constexprs, "PACKED_WIDEN": True})
+    base = dataclasses.replace(rope, constexprs={**rope.constexprs, "HW_CVT": True,
+                                                 "PACKED_WIDEN": True})
     assert tune_writers.launch_variant(base, "bt=1,warps=8", 8192).constexprs["PACKED_WIDEN"]
     assert not tune_writers.launch_variant(base, "bt=1,warps=16", 8192).constexprs[
         "PACKED_WIDEN"]

@@ -148,8 +148,7 @@ def _scatter_rows(
     hm = h < num_heads
     mask = valid & hm[:, None] & (d < head_size)[None, :]
     src = x_ptr + t * x_st + h[:, None] * x_sh + d[None, :] * x_sd
-    blk = slot // block_size
-    off = slot % block_size
+    blk, off = _split_slot(slot, block_size, -1)
     base = blk * c_sb + _split_offset(off, XO, c_so_hi, c_so_lo)
     dim_off = _split_offset(d, XD, c_sd_hi, c_sd_lo)
     dst = c_ptr + base + h[:, None] * c_sh + dim_off[None, :]

@@ -209,7 +209,8 @@ def scatter_kv_launch(
             "SLOT_LINEAR": k_target.slot_linear and v_target.slot_linear,
             "SAME_SCALE": same_scale and _one_scale(mode, k_scale, v_scale),
             "BS_SHIFT": _bs_shift(k_target.block_size)}
-        _packed_widen("scatter_kv_tiled_kernel", consts, TRITON_DEFAULT_WARPS)
+        consts["PACKED_WIDEN"] = packed_widen("scatter_kv_tiled_kernel", consts,
+                                              TRITON_DEFAULT_WARPS)
         return Launch(
             "scatter_kv_tiled_kernel", (-(-n // block_t), -(-h // block_h)),
             (slot_mapping, slot_mapping.stride(0), n,
@@ -351,20 +352,20 @@ def pairs_fit(tiles: Iterable[int], num_warps: int) -> bool:
     return all(t >= 64 * num_warps for t in tiles)
 
 
+def packed_widen(kernel: str, consts: Mapping[str, int | bool], num_warps: int) -> bool:
+    """``PACKED_WIDEN`` of a ``kernel`` launch with these constexprs at ``num_warps``:
+    hardware conversions (``HW_CVT``) and tiles that fit :func:`pairs_fit`."""
+    return bool(consts.get("HW_CVT")) and pairs_fit(input_tiles(kernel, consts), num_warps)
+
+
 def _fp8_consts(mode: int, device: torch.device) -> dict[str, int | bool]:
-    """The fp8 constexprs shared by the tiled scatter and the fused RoPE kernel
-    (``PACKED_WIDEN`` as :func:`_packed_widen` sets it)."""
+    """The fp8 constexprs shared by the tiled scatter and the fused RoPE kernel (the
+    launches add ``PACKED_WIDEN``, :func:`packed_widen`, once their tiles are known)."""
     hw = mode != 0 and hardware_fp8(device)
     return {"HW_CVT": hw,
             "FAST_DIV": mode != 0 and fast_division(device),
             "HW_NAN": mode != 0 and hardware_fp8_nan(device),
-            "PACKED_WIDEN": hw, "FAST_RCP": hw}
-
-
-def _packed_widen(kernel: str, consts: dict[str, int | bool], num_warps: int) -> None:
-    """``PACKED_WIDEN`` in ``consts`` kept only where the tiles fit :func:`pairs_fit`."""
-    consts["PACKED_WIDEN"] = bool(consts["PACKED_WIDEN"]) and pairs_fit(
-        input_tiles(kernel, consts), num_warps)
+            "FAST_RCP": hw}
 
 
 def _bs_shift(block_size: int) -> int:
@@ -564,7 +565,7 @@ def _rope_launch(
     roles = ("positions", "cos_sin", *q_role, "key", *w_roles)
     block_t, warps = rope_geometry(rows, mode, block_hk * width)
     consts["BLOCK_T"] = block_t
-    _packed_widen("rope_kv_kernel", consts, warps)
+    consts["PACKED_WIDEN"] = packed_widen("rope_kv_kernel", consts, warps)
     return Launch("rope_kv_kernel", (-(-rows // block_t), q_groups + kv_groups), args, consts,
                   options={**ROPE_OPTIONS, "num_warps": warps}, roles=roles)
 
