@@ -1,10 +1,15 @@
 """``torch.compile(fullgraph=True)`` of a small decoder layer has no graph break with
 any backend (TORCH_REF and TRITON_ATTN here, torch paths on CPU; MLA too): the write
-and the compute are single ``vllm_kv`` op nodes, and the compiled layer writes the
-same cache bytes and returns the same output as the eager one."""
+and the compute are single ``vllm_kv`` op nodes. Under ``eager`` and ``aot_eager`` the
+compiled layer runs the eager aten kernels (one thread, see conftest.py), so it writes
+the same cache bytes and returns the same output bits. Inductor generates its own
+code for the projections and RoPE, whose rounding differs by CPU: there the write is
+checked bit-exact against the op's own inputs, and the inputs against eager within a
+tolerance."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +24,7 @@ from vllm.attention.backends.torch_ref import TorchRefBackend
 from vllm.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.attention.batch import make_paged_batch
 from vllm.attention.layer import Attention, MLAAttention
-from vllm.attention.rope import RoPE
+from vllm.attention.rope import RoPE, rotate_reference
 from vllm.forward_context import set_forward_context
 
 HIDDEN, HQ, HKV, D, BS = 32, 4, 2, 16, 16
@@ -153,15 +158,78 @@ def test_mla_layer_compiles_fullgraph() -> None:
     assert torch.equal(s.cache.view(torch.uint8), want_cache.view(torch.uint8))
 
 
-def test_inductor_writes_the_cache_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inductor re-inplaces the write: the op gets the layer's own cache, not a copy."""
+def _expected_cache(start: torch.Tensor, slots: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, positions: torch.Tensor, rope: RoPE) -> torch.Tensor:
+    """``start`` (a TORCH_REF cache ``[nb, 2, bs, H, D]``) with token ``i``'s rotated key
+    and its value in slot ``slots[i]``, every other byte as it was."""
+    n = slots.shape[0]
+    rotated = rotate_reference(key[:n], positions[:n], rope)
+    want = start.clone()
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want[slot // BS, 0, slot % BS] = rotated[i]
+            want[slot // BS, 1, slot % BS] = value[i]
+    return want
+
+
+def _assert_written_in_place(cache: torch.Tensor, want_eager: torch.Tensor,
+                             expected: torch.Tensor) -> None:
+    """The compiled write's cache is bit-for-bit ``start`` plus the op's own inputs in
+    the named slots (so: in place, those slots, nothing else), and those inputs are the
+    eager ones up to the compiler's rounding."""
+    assert torch.equal(cache.view(torch.int32), expected.view(torch.int32)), (
+        "the compiled layer's cache is not the op's inputs written into the named slots")
+    # the K/V the compiled graph computed (inductor's own matmul and RoPE code), not
+    # their bits: those differ by an ULP between CPUs
+    torch.testing.assert_close(cache, want_eager, rtol=1e-5, atol=1e-6)
+
+
+def test_written_in_place_check_catches_a_wrong_cache() -> None:
+    """The check above fails on a cache a slot short, written twice, or touched elsewhere."""
     model, ctx, cache, x, positions = _run(TorchRefBackend, rope=True)
+    slots = ctx["slot_mapping"][model.attn.layer_name]
+    assert model.rope is not None
+    key = torch.randn(slots.shape[0], HKV, D, generator=torch.Generator().manual_seed(5))
+    value = torch.randn(slots.shape[0], HKV, D, generator=torch.Generator().manual_seed(6))
+    start = cache.clone()
+    expected = _expected_cache(start, slots, key, value, positions, model.rope)
+    _assert_written_in_place(expected.clone(), expected, expected)
+    first = int(slots[0])
+    outside = next(s for s in range(start.shape[0] * BS) if s not in slots.tolist())
+    unwritten = expected.clone()
+    unwritten[first // BS, :, first % BS] = start[first // BS, :, first % BS]
+    touched = expected.clone()
+    touched[outside // BS, 1, outside % BS, 0, 0] += 1.0
+    nudged = expected.clone()
+    nudged[first // BS, 0, first % BS, 0, 0] = torch.nextafter(
+        nudged[first // BS, 0, first % BS, 0, 0], torch.tensor(math.inf))
+    for wrong in (unwritten, touched, nudged):
+        with pytest.raises(AssertionError):
+            _assert_written_in_place(wrong, expected, expected)
+
+
+@pytest.mark.parametrize("rounding", ["as_compiled", "key_one_ulp_up"])
+def test_inductor_writes_the_cache_in_place(monkeypatch: pytest.MonkeyPatch,
+                                            rounding: str) -> None:
+    """Inductor re-inplaces the write: the op gets the layer's own cache, not a copy, and
+    writes exactly its inputs into the named slots. ``key_one_ulp_up`` hands the op keys
+    one ULP off the compiled ones, as another CPU's inductor code may compute them: the
+    test must not depend on that rounding."""
+    model, ctx, cache, x, positions = _run(TorchRefBackend, rope=True)
+    slots = ctx["slot_mapping"][model.attn.layer_name]
     seen: list[int] = []
+    handed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, RoPE]] = []
     real = Attention.write_rope_for_op
 
-    def spy(self: Attention, *args: Any) -> None:
-        seen.append(args[3].data_ptr())
-        real(self, *args)
+    def spy(self: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            kv_cache: torch.Tensor, pos: torch.Tensor, cos_sin_cache: torch.Tensor,
+            is_neox: bool) -> None:
+        if rounding == "key_one_ulp_up":
+            key = torch.nextafter(key, torch.full_like(key, math.inf))
+        seen.append(kv_cache.data_ptr())
+        handed.append((key.clone(), value.clone(), pos.clone(),
+                       RoPE(cos_sin_cache.clone(), "neox" if is_neox else "gptj")))
+        real(self, query, key, value, kv_cache, pos, cos_sin_cache, is_neox)
 
     monkeypatch.setattr(Attention, "write_rope_for_op", spy)
     start = cache.clone()
@@ -171,5 +239,9 @@ def test_inductor_writes_the_cache_in_place(monkeypatch: pytest.MonkeyPatch) -> 
         cache.copy_(start)
         got = torch.compile(model, fullgraph=True, backend="inductor")(x, positions)
     assert seen == [cache.data_ptr()]  # (the eager call does not go through the op)
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)  # inductor's own matmul order
-    assert torch.equal(cache, want_cache)
+    (key, value, pos, rope), = handed
+    _assert_written_in_place(cache, want_cache, _expected_cache(start, slots, key, value,
+                                                                pos, rope))
+    if rounding == "key_one_ulp_up":
+        assert not torch.equal(cache, want_cache)  # what a bit-equal check would reject
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # inductor's own matmul order
