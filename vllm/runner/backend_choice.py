@@ -27,6 +27,7 @@ from vllm.attention.errors import (
     UnsupportedBackendError,
 )
 from vllm.attention.registry import get_backend, list_backends
+from vllm.runner.attention_block import cache_head_size
 from vllm.runner.config import ModelConfig
 
 AnyBackend = type[AttentionBackend[Any]]
@@ -85,8 +86,6 @@ def resolve_dtype(choice: str, config: ModelConfig, backend: AnyBackend,
 
 def _reasons(backend: AnyBackend, config: ModelConfig, dtype: torch.dtype, block_size: int,
              kv_cache_dtype: str, device: torch.device) -> list[str]:
-    from vllm.runner.model import cache_head_size
-
     head_size = (config.attn_head_size if config.is_mla
                  else cache_head_size(backend, config.head_dim, config.head_dim))
     return backend.unsupported_reasons(

@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 import torch
 
 from vllm.attention.errors import InvalidArgumentError
-from vllm.runner.model import AttnInputs, DecoderModel
+from vllm.runner.attention_block import AttnInputs
+from vllm.runner.model import DecoderModel
 
 T = TypeVar("T")
 

@@ -27,12 +27,13 @@ from vllm.attention.backend import (
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.types import cache_storage_dtype, parse_kv_cache_dtype
 from vllm.forward_context import KVConnector, set_forward_context
+from vllm.runner.attention_block import cache_head_size
 from vllm.runner.backend_choice import BackendChoice, choose_backend, resolve_backend_name
 from vllm.runner.config import ModelConfig, load_config, random_llama_config, random_mla_config
 from vllm.runner.connector import RegisteredKVCache, RegistersKVCaches
 from vllm.runner.cuda_graph import PiecewiseCUDAGraphs, default_capture_sizes
 from vllm.runner.kv_cache import BlockAllocator, KVCacheGroup, KVCacheManager, KVCacheSpec
-from vllm.runner.model import DecoderModel, cache_head_size
+from vllm.runner.model import DecoderModel
 from vllm.runner.parallel import ParallelState
 from vllm.runner.request import Request, RequestOutput, SamplingParams
 from vllm.runner.sampler import sample

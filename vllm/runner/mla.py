@@ -17,9 +17,9 @@ from vllm.attention.backend import AttentionBackend
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.layer import MLAAttention
 from vllm.attention.types import parse_kv_cache_dtype
+from vllm.runner.attention_block import AttentionBlock, AttentionLayer, AttnInputs
 from vllm.runner.config import ModelConfig
 from vllm.runner.layers import RMSNorm, Rotary, ShardedLinear, Shard
-from vllm.runner.model import AttentionBlock, AttentionLayer, AttnInputs
 from vllm.runner.parallel import ParallelState
 
 
