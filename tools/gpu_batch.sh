@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
-# One batched session on the lent GPU machine. Phases (any order, several per call):
+# Every GPU check in one batch, on a CUDA machine. Phases (any order, several at once):
 #   tests  - every gpu-marked test, one pytest process per area (a CUDA fault in one
 #            area cannot poison the next), full logs
 #   check  - `vllm-attn backends` and `vllm-attn check` on CUDA
 #   bench  - every benchmarks/bench_*.py with --out
-# Logs and benchmark JSON are tarred into $OUT/results.tgz (the device returns at most
-# 8 files); a few summaries are copied beside it.
-# Usage (device machine, repo root): bash tools/gpu_session.sh tests [check] [bench]
+# Results go to one folder named <date>-<commit> (UTC date, short commit of the checkout;
+# "-modified" when tracked files differ from that commit; RESULTS_NAME overrides), with
+# commit.txt and env.txt saying what ran where. The folder is tarred into
+# $OUT/<date>-<commit>.tgz and a few summaries are copied beside it; unpack it under
+# benchmarks/results/<device>/ to commit it (benchmarks/README.md).
+# Usage (repository root): bash tools/gpu_batch.sh tests [check] [bench]
 # Durations seen on an H200 (2026-11-30), warm Triton cache excluded: writers 45 s, ops 55 s,
 # property (SWEEP=40) 100 s, mla 45 s, runner 150 s (the every-backend file), speed 25 s;
-# backends over 220 s (210 of about 265 tests by then, fifth session);
-# bench_writers + bench_launch + bench_fused_rope together 90 s. One call may run 600 s:
-# split the areas over two calls (AREAS=...) when running everything.
+# backends over 220 s (about 265 tests); bench_writers + bench_launch + bench_fused_rope
+# together 90 s. Under a time limit per invocation, split the areas over several
+# invocations (AREAS=...).
 set -u
 what=" $* "
 FINAL=${OUT:-/tmp/out}
-LOGS=/tmp/gpu_logs
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+if [ "$commit" != unknown ] && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+  commit=$commit-modified
+fi
+NAME=${RESULTS_NAME:-$(date -u +%F)-$commit}
+LOGS=/tmp/gpu_batch/$NAME
 mkdir -p "$LOGS" "$FINAL"
+{ git rev-parse HEAD 2>/dev/null || echo "no git checkout"; git status --short --untracked-files=no 2>/dev/null; } > "$LOGS/commit.txt"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 [ -d /tmp/fa4site ] && export PYTHONPATH=$PYTHONPATH:/tmp/fa4site
 python3 - <<'PY' | tee "$LOGS/env.txt"
@@ -61,6 +70,6 @@ if [[ "$what" == *" bench "* ]]; then
     echo "$name rc=$?" | tee -a "$LOGS/summary.txt"; tail -n 12 "$LOGS/bench/$name.txt"
   done
 fi
-tar -czf "$FINAL/results.tgz" -C "$LOGS" .
+tar -czf "$FINAL/$NAME.tgz" -C "$(dirname "$LOGS")" "$NAME"
 for f in summary env backends_cuda check_cuda gpu_every_backend; do [ -f "$LOGS/$f.txt" ] && cp "$LOGS/$f.txt" "$FINAL/"; done
 cat "$LOGS/summary.txt" 2>/dev/null
