@@ -270,7 +270,8 @@ def load_config(model_dir: Path) -> ModelConfig:
     path = model_dir / "config.json"
     if not path.is_file():
         raise InvalidArgumentError("--model", str(model_dir),
-                                   "a directory holding config.json (and *.safetensors)")
+                                   "a directory holding config.json (and *.safetensors or "
+                                   "pytorch_model*.bin)")
     with path.open(encoding="utf-8") as f:
         raw = json.load(f)
     if not isinstance(raw, dict):

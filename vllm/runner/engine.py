@@ -39,7 +39,7 @@ from vllm.runner.request import Request, RequestOutput, SamplingParams
 from vllm.runner.sampler import sample
 from vllm.runner.scheduler import Scheduler, SchedulerOutput
 from vllm.runner.tokenizer import TextTokenizer, load_tokenizer
-from vllm.runner.weights import init_random, load_safetensors
+from vllm.runner.weights import CheckpointFiles, checkpoint_files, init_random, load_checkpoint
 
 SPARSE_TOPK = 2048
 """Positions the sparse-MLA stand-in indexer selects per token (DeepSeek-V3.2's top-k)."""
@@ -108,23 +108,24 @@ class _StepBatch:
     graph: bool = False
 
 
-def _resolve_model(model: str | Path | None,
-                   mla_backend: bool = False) -> tuple[ModelConfig, Path | None, bool]:
-    """(config, checkpoint dir or None, has weights)."""
+def _resolve_model(model: str | Path | None, mla_backend: bool = False
+                   ) -> tuple[ModelConfig, Path | None, CheckpointFiles | None]:
+    """(config, checkpoint dir or None, its weight files or None)."""
     if model is None and mla_backend:
-        return random_mla_config(), None, False
+        return random_mla_config(), None, None
     if model is None or str(model) == "random":
-        return random_llama_config(), None, False
+        return random_llama_config(), None, None
     if str(model) == "random-mla":
-        return random_mla_config(), None, False
+        return random_mla_config(), None, None
     path = Path(model)
     if not path.is_dir():
         raise InvalidArgumentError(
             "--model", str(model),
-            "a checkpoint directory (config.json + *.safetensors) or one of "
-            + ", ".join(RANDOM_MODELS),
+            "a checkpoint directory (config.json + *.safetensors or pytorch_model*.bin) "
+            "or one of " + ", ".join(RANDOM_MODELS),
         )
-    return load_config(path), path, any(path.glob("*.safetensors"))
+    config = load_config(path)
+    return config, path, checkpoint_files(path)
 
 
 class LLMEngine:
@@ -171,8 +172,9 @@ class LLMEngine:
                kv_connector: KVConnector | None = None) -> LLMEngine:
         """Load (or draw) the model, choose the backend, allocate caches.
 
-        ``model``: a checkpoint directory (``config.json`` plus ``*.safetensors``;
-        without weights they are drawn from ``model_seed``), ``"random"`` for the
+        ``model``: a checkpoint directory (``config.json`` plus ``*.safetensors`` or
+        ``pytorch_model*.bin``; a directory with no weight files at all has them
+        drawn from ``model_seed``, one in a format not read here is an error), ``"random"`` for the
         small random Llama, ``"random-mla"`` for the MLA one; ``None`` is the
         random MLA model for an MLA ``backend``, else the random Llama.
         """
@@ -181,7 +183,7 @@ class LLMEngine:
         ecfg = engine_config or EngineConfig()
         kv_dtype = parse_kv_cache_dtype(kv_cache_dtype, argument="kv_cache_dtype")
         named = resolve_backend_name(backend) if backend is not None else None
-        config, path, has_weights = _resolve_model(
+        config, path, weights = _resolve_model(
             model, mla_backend=named is not None and named.backend.is_mla)
         choice = choose_backend(named, config, dtype=dtype, device=dev, block_size=block_size,
                                 kv_cache_dtype=kv_dtype, strict=strict_backends,
@@ -190,13 +192,13 @@ class LLMEngine:
         with torch.inference_mode(False), torch.no_grad():
             net = DecoderModel(config, backend=choice.backend, kv_cache_dtype=kv_dtype,
                                parallel=par, dtype=choice.dtype, device=dev)
-            if path is not None and has_weights:
-                load_safetensors(net, path, par)
+            if weights is not None:
+                load_checkpoint(net, weights, par)
             else:
                 init_random(net, par, model_seed)
                 if path is not None:
-                    notes.append(f"{path} has no *.safetensors: weights drawn from seed "
-                                 f"{model_seed}")
+                    notes.append(f"{path} holds config.json and no weight files: weights "
+                                 f"drawn from seed {model_seed}")
             net.finalize()
         net.eval()
         tokenizer = load_tokenizer(path)
