@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import capture, device_info, host_us, print_table, replay_us, write_json  # noqa: E402
 
 from vllm.attention import KVQuant  # noqa: E402
-from vllm.attention.ops.triton_writers import rope_launch, triton_importable  # noqa: E402
 from vllm.attention.rope import RoPE, apply_rope, rotate_reference  # noqa: E402
 from vllm.attention.types import KVCacheLayout  # noqa: E402
 from vllm.attention.writers import SplitKVCacheWriter, reference_write  # noqa: E402
+from vllm.attention.writers.kernels import rope_launch, triton_importable  # noqa: E402
 
 HQ, HKV, D, BS, MAX_POS = 32, 8, 128, 16, 16384
 SMALL_TARGET, LARGE_TARGET = 1.6, 1.05

@@ -42,8 +42,8 @@ from vllm.attention import KVQuant, allocate_kv_cache  # noqa: E402
 from vllm.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
 from vllm.attention.layer import Attention  # noqa: E402
 from vllm.attention.layouts import split_kv_views  # noqa: E402
-from vllm.attention.ops import triton_writers as tw  # noqa: E402
 from vllm.attention.types import KVCacheLayout  # noqa: E402
+from vllm.attention.writers import kernels as tw  # noqa: E402
 from vllm.attention.writers import MLALatentCacheWriter, SplitKVCacheWriter  # noqa: E402
 from vllm.attention.writers.split import scatter_mode  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402

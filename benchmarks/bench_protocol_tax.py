@@ -45,10 +45,10 @@ from vllm.attention.backends.triton_attn import TritonAttentionBackend  # noqa: 
 from vllm.attention.batch import make_paged_batch  # noqa: E402
 from vllm.attention.layer import Attention  # noqa: E402
 from vllm.attention.layouts import split_kv_views  # noqa: E402
-from vllm.attention.ops import triton_writers as tw  # noqa: E402
 from vllm.attention.ops.paged_attention import paged_attention  # noqa: E402
 from vllm.attention.ops.paged_kv import PagedKV  # noqa: E402
 from vllm.attention.types import KVCacheLayout  # noqa: E402
+from vllm.attention.writers import kernels as tw  # noqa: E402
 from vllm.attention.writers import reference_write  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
 

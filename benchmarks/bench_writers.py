@@ -43,7 +43,7 @@ from vllm.attention.layouts import (  # noqa: E402
     legacy_paged_views,
     split_kv_views,
 )
-from vllm.attention.ops.triton_writers import (  # noqa: E402
+from vllm.attention.writers.kernels import (  # noqa: E402
     Launch,
     ScatterTarget,
     fp8_ds_mla_launch,

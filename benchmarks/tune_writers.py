@@ -8,7 +8,7 @@ and at 0.37 with and without ``FAST_DIV``) and reports GB/s and the ratio to an 
 CUDA graph of 10 launches, as ``bench_writers.py``'s kernel column: eager launches of
 the ~30 us MLA writes would time the host). ``--hw-nan both`` adds the fp8
 conversion's NaN select on and off. Every variant's cache bytes are compared with the
-default launch's (a variant that differs is reported and never chosen). The defaults in ``vllm/attention/ops/triton_writers.py``
+default launch's (a variant that differs is reported and never chosen). The defaults in ``vllm/attention/writers/kernels/launch.py``
 come from this table (``docs/performance.md``). Then the fused RoPE + write (keys
 only, T=8192) against the plain write, in CUDA graphs, for the launch variants of
 ``--rope-variants`` (warps, L2 hints, tokens a program, ...), fp8 at each scale.
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_writers as bw  # noqa: E402
 from _timing import copy_ceiling_gbps  # noqa: E402
 
-from vllm.attention.ops.triton_writers import (  # noqa: E402
+from vllm.attention.writers.kernels import (  # noqa: E402
     TRITON_DEFAULT_WARPS,
     Launch,
     packed_widen,
@@ -82,7 +82,7 @@ def launch_variant(base: Launch, spec: str, rows: int) -> Launch:
     program; the grid follows for ``rows`` rows), ``rcp=0/1`` (``FAST_RCP``),
     ``fast=0/1`` (``FAST_DIV``), ``nan=0/1`` (``HW_NAN``); ``default`` changes nothing.
     Without ``packed=``, ``PACKED_WIDEN`` follows the variant's tiles and warps as a
-    launch's would (:func:`~vllm.attention.ops.triton_writers.packed_widen`)."""
+    launch's would (:func:`~vllm.attention.writers.kernels.packed_widen`)."""
     consts = dict(base.constexprs)
     options = dict(base.options)
     packed_named = False
@@ -116,7 +116,7 @@ def _rope_sweep(dev: torch.device, specs: list[str], scales: list[float],
     from triton.errors import TritonError
 
     from vllm.attention.layouts import split_kv_views
-    from vllm.attention.ops.triton_writers import ScatterTarget, rope_kv_launch, scatter_kv_launch
+    from vllm.attention.writers.kernels import ScatterTarget, rope_kv_launch, scatter_kv_launch
     from vllm.attention.rope import RoPE
     from vllm.attention.writers.split import scatter_mode
 

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from vllm.attention import KVCacheLayout, KVQuant
-from vllm.attention.ops.triton_writers import triton_importable
 from vllm.attention.writers import FP8DsMLACacheWriter, PerTokenHeadKVCacheWriter, SplitKVCacheWriter
+from vllm.attention.writers.kernels import triton_importable
 from vllm.attention.writers.quant import FP8_NAN_BYTE, quantize_fp8, to_fp8
 
 NAN_BYTE = 0x7F

@@ -22,9 +22,9 @@ import torch  # noqa: E402
 from _timing import host_us  # noqa: E402
 
 from vllm.attention import KVQuant  # noqa: E402
-from vllm.attention.ops import triton_writers as tw  # noqa: E402
 from vllm.attention.types import KVCacheLayout  # noqa: E402
 from vllm.attention.writers import SplitKVCacheWriter  # noqa: E402
+from vllm.attention.writers.kernels import launch as tw  # noqa: E402
 from vllm.attention.writers.launch_cache import write_signature  # noqa: E402
 
 

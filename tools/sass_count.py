@@ -69,7 +69,7 @@ def launches() -> list[tuple[str, Any, tuple, dict]]:
     import triton_compile_check as tcc
 
     from vllm.attention.layouts import mla_latent_views
-    from vllm.attention.ops import triton_writers as tw
+    from vllm.attention.writers import kernels as tw
 
     calls = tcc.record_writers()
     kern = tw.load_kernels(interpret=False)

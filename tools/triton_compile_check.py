@@ -136,7 +136,7 @@ def record_writers() -> list:
     import dataclasses
 
     from vllm.attention.layouts import mla_latent_views, split_kv_views
-    from vllm.attention.ops import triton_writers as tw
+    from vllm.attention.writers import kernels as tw
     from vllm.attention.types import KVCacheLayout
 
     kern = tw.load_kernels(interpret=False)

@@ -20,7 +20,7 @@ import torch
 
 from tests.property.model import FAMILIES, RandomChooser, build, draw_case, run_case
 from vllm.attention import KVCacheWriteError
-from vllm.attention.ops.triton_writers import triton_importable
+from vllm.attention.writers.kernels import triton_importable
 from vllm.attention.writers.validation import check_slots_in_range
 
 pytestmark = pytest.mark.gpu

@@ -22,7 +22,7 @@ def rope_tokens_per_program(request: pytest.FixtureRequest,
     """The fused RoPE kernel at one token a program (what small batches launch) and at
     two tokens a program from the first row on (what ``rope_geometry`` gives most large
     batches; the small test batches then end in a partial tile)."""
-    from vllm.attention.ops import triton_writers as tw
+    from vllm.attention.writers.kernels import launch as tw
 
     if request.param == "several":
         monkeypatch.setattr(tw, "rope_geometry", lambda rows, mode, tile: (2, 4))

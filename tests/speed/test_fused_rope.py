@@ -23,10 +23,10 @@ from vllm.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.attention.batch import make_paged_batch
 from vllm.attention.layer import Attention
 from vllm.attention.layouts import kv_cache_shape, kv_cache_stride_order
-from vllm.attention.ops.triton_writers import triton_importable
 from vllm.attention.rope import RoPE, apply_rope, rotate_reference
 from vllm.attention.types import KVCacheLayout, cache_storage_dtype
 from vllm.attention.writers import MLALatentCacheWriter, SplitKVCacheWriter, reference_write
+from vllm.attention.writers.kernels import triton_importable
 from vllm.forward_context import set_forward_context
 from vllm.runner.config import RopeConfig
 from vllm.runner.layers import Rotary

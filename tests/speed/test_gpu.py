@@ -20,12 +20,12 @@ from tests.writers.oracle import edge_values
 from vllm.attention import KVQuant, allocate_kv_cache
 from vllm.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.attention.batch import make_paged_batch
-from vllm.attention.layouts import split_kv_views
 from vllm.attention.layer import Attention
-from vllm.attention.ops import triton_writers as tw
+from vllm.attention.layouts import split_kv_views
 from vllm.attention.rope import RoPE, rotate_reference
 from vllm.attention.types import KVCacheLayout
 from vllm.attention.writers import MLALatentCacheWriter, SplitKVCacheWriter, reference_write
+from vllm.attention.writers.kernels import launch as tw
 from vllm.forward_context import set_forward_context
 
 pytestmark = [pytest.mark.gpu,

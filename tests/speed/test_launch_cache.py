@@ -21,9 +21,9 @@ import torch
 from tests.helpers import raw
 from vllm.attention import InvalidArgumentError, InvalidTypeError, KVCacheWriteError, KVQuant
 from vllm.attention.layouts import split_kv_views
-from vllm.attention.ops import triton_writers as tw
 from vllm.attention.rope import RoPE
 from vllm.attention.types import KVCacheLayout
+from vllm.attention.writers import kernels as tw
 from vllm.attention.writers import MLALatentCacheWriter, SplitKVCacheWriter
 from vllm.attention.writers import launch_cache as launch_cache_mod
 from vllm.attention.writers import split as split_mod

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from vllm.attention.layouts import split_kv_views
-from vllm.attention.ops import triton_writers as tw
 from vllm.attention.types import KVCacheLayout
+from vllm.attention.writers import kernels as tw
 
 
 def _targets(h: int, d: int) -> list[tw.ScatterTarget]:

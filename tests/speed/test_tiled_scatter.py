@@ -11,9 +11,9 @@ import torch
 
 from tests.helpers import every_16_bit_pattern, fill_random_bytes, raw
 from vllm.attention import KVQuant
-from vllm.attention.ops import triton_writers as tw
 from vllm.attention.types import KVCacheLayout
 from vllm.attention.writers import MLALatentCacheWriter, SplitKVCacheWriter, reference_write
+from vllm.attention.writers.kernels import launch as tw
 
 L = KVCacheLayout
 pytestmark = pytest.mark.skipif(not tw.triton_importable(),

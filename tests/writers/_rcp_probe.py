@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vllm.attention.ops.triton_writers import load_kernels
+from vllm.attention.writers.kernels import load_kernels
 
 _reciprocal = load_kernels(interpret=False)._reciprocal
 

@@ -1,5 +1,5 @@
 """The arithmetic of the fp8 writers' division by a scale (``_scale_kind`` and
-``_fp8_quotient`` in ``vllm/attention/ops/triton_writer_kernels.py``: the multiply by
+``_fp8_quotient`` in ``vllm/attention/writers/kernels/triton_kernels.py``: the multiply by
 the reciprocal for powers of two, the FAST_DIV Markstein quotient for other scales of
 moderate size, the IEEE division for the rest), replayed on CPU in numpy with an exact
 fused multiply-add, against the IEEE quotient ``x / s``: the fp8 bytes the writers store

@@ -22,7 +22,8 @@ from vllm.attention.layouts import (
     legacy_paged_views,
     split_kv_views,
 )
-from vllm.attention.ops.triton_writers import (
+from vllm.attention.types import KVCacheLayout
+from vllm.attention.writers.kernels import (
     Launch,
     ScatterTarget,
     fp8_ds_mla_launch,
@@ -30,7 +31,6 @@ from vllm.attention.ops.triton_writers import (
     per_token_head_launch,
     scatter_kv_launch,
 )
-from vllm.attention.types import KVCacheLayout
 
 triton = pytest.importorskip("triton", reason="triton is not installed: nothing to compile")
 compiler = pytest.importorskip("triton.compiler", reason="this triton has no triton.compiler")

@@ -18,7 +18,6 @@ from vllm.attention import (
     KVQuant,
     MLAKVCacheWriter,
 )
-from vllm.attention.ops.triton_writers import triton_importable
 from vllm.attention.writers import (
     MLA_LAYOUTS,
     AiterShuffledKVCacheWriter,
@@ -33,6 +32,7 @@ from vllm.attention.writers import (
     reference_write,
     writer_for_layout,
 )
+from vllm.attention.writers.kernels import triton_importable
 
 L = KVCacheLayout
 T, H, D, NB, BS = 4, 2, 16, 2, 16
@@ -278,7 +278,7 @@ def test_interpreted_kernels_leave_the_environment_alone() -> None:
     import os
 
     pytest.importorskip("triton", reason="triton is not installed")
-    from vllm.attention.ops.triton_writers import load_kernels
+    from vllm.attention.writers.kernels import load_kernels
 
     before = os.environ.get("TRITON_INTERPRET")
     load_kernels(interpret=True)

@@ -16,7 +16,6 @@ import torch
 from tests.helpers import every_16_bit_pattern, fill_random_bytes
 from tests.writers.oracle import Case, L, all_cases, check, edge_values, prepare, write
 from vllm.attention import KVQuant
-from vllm.attention.ops.triton_writers import triton_importable
 from vllm.attention.writers import (
     FP8DsMLACacheWriter,
     MLALatentCacheWriter,
@@ -25,6 +24,7 @@ from vllm.attention.writers import (
     mla_writer_for_layout,
     writer_for_layout,
 )
+from vllm.attention.writers.kernels import triton_importable
 from vllm.attention.writers.readback import read_slots
 
 pytestmark = pytest.mark.gpu
@@ -248,7 +248,7 @@ def test_mla_fp8_write_is_byte_identical_exhaustively(tokens_per_program: str,
     reference's bytes: every bf16 pattern spread over the 512 latent and 64 rope values
     of 114 tokens, against every scale of the split test, one and several tokens a
     program, with FAST_DIV on and off."""
-    from vllm.attention.ops import triton_writers as tw
+    from vllm.attention.writers.kernels import launch as tw
 
     if tokens_per_program == "several":
         monkeypatch.setattr(tw, "TILED_MIN_TOKENS", 1)
@@ -279,12 +279,12 @@ def test_mla_fp8_write_is_byte_identical_exhaustively(tokens_per_program: str,
 @needs_triton
 @pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_hardware_conversion_nan_claim(cache_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where :func:`~vllm.attention.ops.triton_writers.hardware_fp8_nan` claims it, the
+    """Where :func:`~vllm.attention.writers.kernels.hardware_fp8_nan` claims it, the
     hardware conversion alone stores every NaN as 0x7F: float32 NaNs of both signs
     (quiet, signalling, all-ones and random payloads) written with HW_NAN forced on,
     through the multiply (scale 1.0), FAST_DIV (0.37) and IEEE-division (2**127) paths,
     every byte 0x7F. Where it is not claimed, the probe's finding is the skip reason."""
-    from vllm.attention.ops import triton_writers as tw
+    from vllm.attention.writers import kernels as tw
 
     dev = torch.device("cuda")
     if not tw.hardware_fp8(dev):

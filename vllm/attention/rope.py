@@ -209,7 +209,7 @@ def apply_rope(
             check_query(x, rows=n, head_size=anchor.shape[-1], dtype=anchor.dtype,
                         device=anchor.device, name=name)
     if resolve_path(anchor.device, path) == "triton":
-        from vllm.attention.ops.triton_writers import rope_launch
+        from vllm.attention.writers.kernels import rope_launch
 
         rope_launch(query, key, positions, rope.cos_sin_cache, rope.is_neox).run()
         return

@@ -11,9 +11,9 @@ from typing import Final
 import torch
 
 from vllm.attention.layouts import aiter_shuffled_views
-from vllm.attention.ops.triton_writers import ScatterTarget, scatter_kv
 from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
+from vllm.attention.writers.kernels import ScatterTarget, scatter_kv
 from vllm.attention.writers.quant import as_bits, store_values
 from vllm.attention.writers.split import SPLIT_CACHE_DTYPES, kept_slots, scatter_mode
 from vllm.attention.writers.validation import check_cache_tensor, check_kv_inputs

@@ -14,8 +14,8 @@ from typing import ClassVar, Literal, get_args
 import torch
 
 from vllm.attention.errors import KVCacheWriteError
-from vllm.attention.ops.triton_writers import triton_importable
 from vllm.attention.types import KVCacheDType, KVCacheLayout
+from vllm.attention.writers.kernels import triton_importable
 
 WritePath = Literal["torch", "triton"]
 """The implementation of a write: ``"triton"`` kernel or ``"torch"`` reference."""

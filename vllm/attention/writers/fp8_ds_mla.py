@@ -20,8 +20,8 @@ from vllm.attention.layouts import (
     FP8_DS_MLA_ROPE,
     FP8_DS_MLA_TILE,
 )
-from vllm.attention.ops import triton_writers
 from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
+from vllm.attention.writers import kernels
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
 from vllm.attention.writers.mla import check_mla_inputs
 from vllm.attention.writers.quant import canonical_nan, to_fp8
@@ -103,6 +103,6 @@ class FP8DsMLACacheWriter(WriterBase):
         q = check_quant(quant, num_kv_heads=1, device=cache.device, allowed=self.cache_dtypes)
         check_cache_dtype(cache, q.kv_cache_dtype, kv_c.dtype)
         if resolve_path(cache.device, path) == "triton":
-            triton_writers.fp8_ds_mla(kv_c, pe, cache, slots)
+            kernels.fp8_ds_mla(kv_c, pe, cache, slots)
         else:
             reference_fp8_ds_mla_write(kv_c, pe, cache, slots)

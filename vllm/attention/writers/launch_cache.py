@@ -3,7 +3,7 @@
 A layer writes with the same shapes, strides, dtypes and devices step after step
 (one signature per padded batch size), and every check a writer runs reads only
 that metadata. So a writer validates a signature the first time it sees it and
-keeps the resulting runner (:class:`~vllm.attention.ops.triton_writers.CachedLaunch`
+keeps the resulting runner (:class:`~vllm.attention.writers.kernels.CachedLaunch`
 on the Triton path, the torch reference otherwise); a repeat call costs the
 signature, one dict lookup and the launch. Anything not part of a signature
 (an object that is not exactly a ``torch.Tensor`` / ``KVQuant`` / ``RoPE``) is
@@ -29,7 +29,7 @@ from vllm.attention.types import KVQuant
 
 Runner = Callable[[Sequence[torch.Tensor]], None]
 """Runs a validated write on live tensors, ordered as
-:data:`~vllm.attention.ops.triton_writers.LIVE_ROLES`."""
+:data:`~vllm.attention.writers.kernels.LIVE_ROLES`."""
 
 Signature = tuple[Hashable, ...]
 """What a write's checks read: shapes, strides, dtypes, devices, formats, the path."""

@@ -19,8 +19,8 @@ import torch
 
 from vllm.attention.errors import KVCacheWriteError
 from vllm.attention.layouts import PER_TOKEN_HEAD_SCALE_BYTES, split_kv_views
-from vllm.attention.ops import triton_writers
 from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
+from vllm.attention.writers import kernels
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
 from vllm.attention.writers.quant import canonical_nan, to_fp8
 from vllm.attention.writers.split import kept_slots
@@ -103,7 +103,7 @@ class PerTokenHeadKVCacheWriter(WriterBase):
         check_kv_inputs(key, value, slot_mapping, quant, cache=cache, num_kv_heads=h,
                         head_size=d, head_size_v=d, cache_dtypes=self.cache_dtypes)
         if resolve_path(cache.device, path) == "triton":
-            triton_writers.per_token_head(key, value, k_view, v_view, slot_mapping,
+            kernels.per_token_head(key, value, k_view, v_view, slot_mapping,
                                           int8=quant.kv_cache_dtype == "int8_per_token_head")
         else:
             reference_per_token_head_write(key, value, k_view, v_view, slot_mapping,

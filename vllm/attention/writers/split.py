@@ -15,7 +15,10 @@ import torch
 
 from vllm.attention.errors import KVCacheWriteError
 from vllm.attention.layouts import split_kv_views
-from vllm.attention.ops.triton_writers import (
+from vllm.attention.rope import RoPE, check_query, check_rope_args, rotate_reference
+from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
+from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
+from vllm.attention.writers.kernels import (
     CachedLaunch,
     Launch,
     ScatterTarget,
@@ -23,9 +26,6 @@ from vllm.attention.ops.triton_writers import (
     scatter_kv,
     scatter_kv_launch,
 )
-from vllm.attention.rope import RoPE, check_query, check_rope_args, rotate_reference
-from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
-from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
 from vllm.attention.writers.launch_cache import (
     Runner,
     SignatureCache,

@@ -1,4 +1,4 @@
-"""Launchers of the Triton cache-writer kernels (``triton_writer_kernels``).
+"""Launchers of the Triton cache-writer kernels (``triton_kernels``).
 
 Triton is imported lazily: importing this module never imports it. CUDA tensors
 run the compiled kernels; CPU tensors run the same kernels under Triton's
@@ -22,7 +22,7 @@ from typing import Any, Final, Literal
 
 import torch
 
-_KERNELS: Final = "vllm.attention.ops.triton_writer_kernels"
+_KERNELS: Final = "vllm.attention.writers.kernels.triton_kernels"
 
 _IN_KIND: Final[dict[torch.dtype, int]] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _BITS: Final[dict[int, torch.dtype]] = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -142,7 +142,7 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch: the kernel's name in ``triton_writer_kernels``, its grid,
+    """One kernel launch: the kernel's name in ``triton_kernels``, its grid,
     positional arguments and constexpr keywords. Built separately from running it
     so tests can compile exactly these arguments for a GPU target without one."""
 

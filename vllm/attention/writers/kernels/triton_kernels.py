@@ -1,4 +1,4 @@
-"""Triton kernels of the KV-cache writers. Import through ``triton_writers`` only.
+"""Triton kernels of the KV-cache writers. Import through ``load_kernels`` only.
 
 Bit-exactness with the torch reference (``vllm.attention.writers``) rests on:
 
@@ -734,7 +734,7 @@ def _fp8_store_bits(y: tl.tensor, MODE: tl.constexpr, HW_CVT: tl.constexpr,
     finite one, infinities included, becomes it, so with ``CLAMP=False`` the clamp is left
     out on that path (two min/max and a NaN select an element fewer; the exhaustive GPU
     byte test runs that path). HW_NAN (with HW_CVT): the conversion itself stores every
-    NaN as the reference's byte 0x7F (:func:`~vllm.attention.ops.triton_writers.hardware_fp8_nan`),
+    NaN as the reference's byte 0x7F (:func:`~vllm.attention.writers.kernels.hardware_fp8_nan`),
     so no select after it either: the converted pairs are stored as they come."""
     LIM: tl.constexpr = 448.0 if MODE == 1 else 57344.0
     if HW_CVT:
@@ -807,7 +807,7 @@ def scatter_kv_tiled_kernel(
     SAME_SCALE (with SCALAR_S): the caller passes one scale for K and V (the MLA latent
     and rope parts), loaded, inverted and classified once. BS_SHIFT: :func:`_split_slot`'s.
     PACKED_WIDEN (compiled fp8 writes of bf16 input, tiles of two or more elements a
-    thread: ``triton_writers.pairs_fit``): :func:`_widen_bf16_pairs`. FAST_RCP (compiled
+    thread: ``kernels.pairs_fit``): :func:`_widen_bf16_pairs`. FAST_RCP (compiled
     fp8 writes): :func:`_reciprocal`'s."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     pid_h = tl.program_id(1)
