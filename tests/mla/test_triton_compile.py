@@ -4,7 +4,7 @@ cannot resolve, dtype mismatches in ``tl.dot``, loop-carried type changes).
 
 The compile runs in a child process: ``triton.language``'s own ``@jit`` helpers are
 built for either the interpreter or the compiler when triton is first imported, and
-this session's interpreter tests need the former.
+the interpreter tests of the same pytest process need the former.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Decode steps through piecewise CUDA graphs (run by the lead on a GPU machine).
+"""Decode steps through piecewise CUDA graphs (``gpu`` marker: needs CUDA).
 
 Graph replays must give exactly the eager run's tokens, for several batch sizes
 (so padded rows with ``-1`` slots occur), and match Hugging Face in float32.

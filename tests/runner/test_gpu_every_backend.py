@@ -1,5 +1,5 @@
 """Every registered backend, plus the two adapted legacy examples, serving on CUDA
-(run by the lead on the lent GPU; skipped without CUDA).
+(the serving tests carry the ``gpu`` marker and skip without CUDA).
 
 * standard backends: the tiny HF Llama, greedy tokens equal ``transformers``
   (computed on CPU in float32), eager, under CUDA graphs, and with chunked prefill
