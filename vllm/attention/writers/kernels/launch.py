@@ -265,8 +265,8 @@ def tokens_per_program(num_tokens: int, tile: int) -> int:
     want every program they can get), else enough tokens for about 16 elements per thread
     of a 4-warp program per operand, at most 16. fp8 writes too: with the leaner
     quantiser the repeated H200 sweep put split fp8 at 0.98 x the copy ceiling at 2 tokens
-    a program against 0.87-0.97 x at 4, MLA fp8 within 0.01 x of its best
-    (``benchmarks/results/h200/tune_split.json``, ``tune_mla.json``)."""
+    a program against 0.87-0.96 x at 4, MLA fp8 within 0.01 x of its best
+    (``benchmarks/results/h200/2026-11-30-d2486ac/tune_split.json``, ``tune_mla.json``)."""
     if num_tokens < TILED_MIN_TOKENS:
         return 1
     return max(1, min(16, 16 * 128 // max(1, tile)))
@@ -471,13 +471,13 @@ def rope_geometry(rows: int, mode: int, token_tile: int) -> tuple[int, int]:
     :data:`ROPE_TILED_FROM` rows: two tokens at 4 warps (the 64 threads a token of a
     one-token 2-warp launch, half the programs), except fp8 writes of tiles under 1024
     values (the MLA latent's 512: the rotated rope part is one 64-wide head), which keep
-    one token at 2 warps. H200, T=8192, against the plain write in the same run
-    (``benchmarks/results/h200/session6``): split bf16 1.001 x (one token, 4 warps:
-    1.02 x), split fp8 1.043 x at scale 1.0 and 1.093 x at 0.37 (one token, 2 warps:
-    1.055 x / 1.094 x); MLA bf16 5.85 us (one token, 4 warps: 9.00 us), MLA fp8 6.56 /
-    7.21 us at one token and 2 warps against 6.85 / 8.15 us at two and 4. With the
-    seventh session's 4-instruction FAST_DIV, split fp8 at 0.37: 1.044 x (one token:
-    1.197 x; four at 8 warps: 1.049 x; ``session7/run1_ab/tune.txt``)."""
+    one token at 2 warps. H200, T=8192, against the plain write in the same process:
+    split bf16 0.995 x (one token: 1.008 x), split fp8 at scale 0.37 1.044 x (one token:
+    1.197 x; four at 8 warps: 1.049 x)
+    (``benchmarks/results/h200/2026-11-30-b19cb4c/fast_div_ab/tune_rope.txt``); MLA bf16
+    5.91 us (one token at 4 warps: 9.06 us), MLA fp8 6.56 / 6.72 us at scale 1.0 / 0.37
+    at one token and 2 warps against 6.87 / 7.45 us at two and 4
+    (``2026-11-30-bc07181/mla_rope.txt``)."""
     if rows < ROPE_TILED_FROM:
         return 1, 4
     if mode != 0 and token_tile < 1024:
