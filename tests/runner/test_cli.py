@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from shim import LegacyBackendWarning
 from tests.runner.conftest import MAX_NEW, PROMPTS, HFCheckpoint
@@ -51,8 +52,8 @@ def test_json_output_shape_and_order(hf_llama: HFCheckpoint,
                           *_ids_args(PROMPTS), "--max-tokens", str(MAX_NEW), "--output", "json")
     assert code == 0, err
     result = json.loads(out)  # exactly one JSON document on stdout
-    assert set(result) == {"backend", "outputs", "tokens_per_s"}
-    assert result["backend"] == "TORCH_REF"
+    assert set(result) == {"backend", "dtype", "outputs", "tokens_per_s"}
+    assert result["backend"] == "TORCH_REF" and result["dtype"] == "float32"
     assert isinstance(result["tokens_per_s"], float) and result["tokens_per_s"] > 0
     assert [o["prompt_token_ids"] for o in result["outputs"]] == PROMPTS
     assert [o["token_ids"] for o in result["outputs"]] == hf_llama.expected(PROMPTS)
@@ -156,3 +157,53 @@ def test_bad_arguments_exit_2_naming_the_argument(args: list[str], match: str,
     assert code == 2 and out == ""
     assert err.startswith("vllm-attn generate: error:")
     assert re.search(match, err), err
+
+
+def _fp32_backends() -> list[str]:
+    from vllm.attention.registry import get_backend, list_backends
+
+    return [n for n in list_backends() if torch.float32 in get_backend(n).supported_dtypes]
+
+
+def test_default_backend_serves_float32_on_cpu_and_equals_hf(
+        hf_llama: HFCheckpoint, capsys: pytest.CaptureFixture[str]) -> None:
+    """--help says ``auto`` is float32 on CPU: the default choice serves it (a faster
+    backend that only runs 16-bit is not chosen), and the tokens are transformers'."""
+    code, out, err = _run(capsys, "--model", str(hf_llama.path), *_ids_args(PROMPTS),
+                          "--max-tokens", str(MAX_NEW), "--output", "json", "--device", "cpu")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["dtype"] == "float32" and result["backend"] in _fp32_backends()
+    assert f"backend {result['backend']} (migrated), llama, float32," in err
+    assert [o["token_ids"] for o in result["outputs"]] == hf_llama.expected(PROMPTS)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_default_backend_serves_the_dtype_asked_for(
+        dtype: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm.attention.registry import get_backend, list_backends
+
+    code, out, err = _run(capsys, "--prompt-token-ids", "1,5,9", "--max-tokens", "2",
+                          "--dtype", dtype, "--output", "json", "--device", "cpu")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["dtype"] == dtype
+    # the first in priority order that runs it (none of these is refused on CPU here)
+    first = next(n for n in list_backends() if n != "TORCH_REF"
+                 and getattr(torch, dtype) in get_backend(n).supported_dtypes
+                 and not get_backend(n).is_mla and get_backend(n).migration == "migrated")
+    assert result["backend"] == first
+
+
+def test_named_16_bit_backend_says_what_dtype_it_serves(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "--backend", "FLASH_ATTN", "--prompt-token-ids", "1,5",
+                          "--max-tokens", "2", "--output", "json", "--device", "cpu")
+    assert code == 0, err
+    assert json.loads(out)["dtype"] == "bfloat16"
+    assert ("note: FLASH_ATTN does not run float32 (what --dtype auto is on cpu); "
+            "serving bfloat16") in err
+    code, out, err = _run(capsys, "--backend", "FLASH_ATTN", "--dtype", "float32",
+                          "--prompt-token-ids", "1,5", "--device", "cpu")
+    assert code == 2 and out == ""
+    assert re.search(r"FLASH_ATTN cannot serve this model \(llama, dtype=float32.*dtype", err)

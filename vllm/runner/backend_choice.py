@@ -3,7 +3,8 @@ deprecations.
 
 A named backend (registry name or ``module:Class``) that cannot serve the model
 is an error naming its reasons; with no name, the first registered backend
-(priority order) that can serve wins, and TORCH_REF when none can. Adapted
+(priority order) that can serve the model at the dtype asked for (``--dtype``, or
+what ``auto`` means on the device) wins, and TORCH_REF when none can. Adapted
 legacy backends warn once at start (never per step or layer); with
 ``strict=True`` they are refused.
 """
@@ -64,24 +65,27 @@ def pick_block_size(backend: AnyBackend) -> int:
     return min(at_least) if at_least else max(sizes)
 
 
+def wanted_dtype(choice: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """The dtype ``--dtype`` asks for; ``auto`` is the checkpoint's on CUDA and float32
+    elsewhere."""
+    if choice == "auto":
+        return config.checkpoint_dtype if device.type == "cuda" else torch.float32
+    if choice not in _DTYPES:
+        raise InvalidArgumentError("--dtype", choice, "auto, float32, bfloat16 or float16")
+    return _DTYPES[choice]
+
+
 def resolve_dtype(choice: str, config: ModelConfig, backend: AnyBackend,
                   device: torch.device) -> torch.dtype:
-    """``auto``: the checkpoint dtype on CUDA; on CPU float32, or the backend's first
-    16-bit dtype (bfloat16, then float16) when it cannot run float32."""
-    if choice != "auto":
-        if choice not in _DTYPES:
-            raise InvalidArgumentError("--dtype", choice, "auto, float32, bfloat16 or float16")
-        return _DTYPES[choice]
-    if device.type == "cuda":
-        wanted = config.checkpoint_dtype
-        if wanted in backend.supported_dtypes:
-            return wanted
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        if device.type == "cuda" and dtype == torch.float32:
-            continue
+    """The dtype ``backend`` serves with: :func:`wanted_dtype`, except that for ``auto``
+    a backend that cannot run it gets its first 16-bit dtype (bfloat16, then float16)."""
+    wanted = wanted_dtype(choice, config, device)
+    if choice != "auto" or wanted in backend.supported_dtypes:
+        return wanted
+    for dtype in (torch.bfloat16, torch.float16):
         if dtype in backend.supported_dtypes:
             return dtype
-    return torch.float32 if device.type == "cpu" else config.checkpoint_dtype
+    return wanted
 
 
 def _reasons(backend: AnyBackend, config: ModelConfig, dtype: torch.dtype, block_size: int,
@@ -158,12 +162,19 @@ def choose_backend(name: str | ResolvedBackend | None, config: ModelConfig, *, d
             f"({config.architecture}, dtype={dtype_name(dt)}, block_size={bs}, "
             f"device={device.type}): " + "; ".join(reasons)
         )
-    return BackendChoice(backend, bs, dt, [_deprecation_line(backend)] if legacy else [])
+    wanted = wanted_dtype(dtype, config, device)
+    note = None if dt == wanted else (
+        f"{backend.name} does not run {dtype_name(wanted)} (what --dtype auto is on "
+        f"{device.type}); serving {dtype_name(dt)}")
+    return BackendChoice(backend, bs, dt, [_deprecation_line(backend)] if legacy else [],
+                         note=note)
 
 
 def _choose_default(config: ModelConfig, *, dtype: str, device: torch.device,
                     block_size: int | None, kv_cache_dtype: str) -> BackendChoice:
+    wanted = wanted_dtype(dtype, config, device)
     why: list[str] = []
+    candidates: list[AnyBackend] = []
     for name in list_backends():
         if name == "TORCH_REF":
             continue
@@ -172,18 +183,31 @@ def _choose_default(config: ModelConfig, *, dtype: str, device: torch.device,
         except PluginLoadError as exc:
             why.append(f"  {name}: {exc}")
             continue
-        if backend.migration == "adapted":
-            continue  # never chosen silently; name it with --backend
-        bs = pick_block_size(backend) if block_size is None else block_size
-        dt = resolve_dtype(dtype, config, backend, device)
-        reasons = _reasons(backend, config, dt, bs, kv_cache_dtype, device)
-        if not reasons:
-            return BackendChoice(backend, bs, dt)
-        why.append(f"  {name}: " + "; ".join(reasons))
+        if backend.migration != "adapted":  # never chosen silently; name it with --backend
+            candidates.append(backend)
     ref = get_backend("TORCH_REF")
-    bs = 16 if block_size is None else block_size
-    dt = resolve_dtype(dtype, config, ref, device)
-    if not _reasons(ref, config, dt, bs, kv_cache_dtype, device):
-        return BackendChoice(ref, bs, dt, note="no faster backend can serve this here; "
-                                               "using the TORCH_REF oracle")
-    raise NoBackendError("no attention backend can serve this model:\n" + "\n".join(why))
+
+    def size(backend: AnyBackend) -> int:
+        if block_size is not None:
+            return block_size
+        return 16 if backend is ref else pick_block_size(backend)
+
+    # the wanted dtype first: a faster backend at another dtype is not what was asked for
+    for backend in candidates:
+        reasons = _reasons(backend, config, wanted, size(backend), kv_cache_dtype, device)
+        if not reasons:
+            return BackendChoice(backend, size(backend), wanted)
+        why.append(f"  {backend.name}: " + "; ".join(reasons))
+    if not _reasons(ref, config, wanted, size(ref), kv_cache_dtype, device):
+        return BackendChoice(ref, size(ref), wanted, note="no faster backend can serve this "
+                                                          "here; using the TORCH_REF oracle")
+    if dtype == "auto":  # nothing runs the documented dtype: one that runs its own
+        for backend in [*candidates, ref]:
+            dt = resolve_dtype(dtype, config, backend, device)
+            if dt != wanted and not _reasons(backend, config, dt, size(backend),
+                                             kv_cache_dtype, device):
+                return BackendChoice(backend, size(backend), dt, note=(
+                    f"no backend serves {dtype_name(wanted)} here; {backend.name} "
+                    f"serves {dtype_name(dt)}"))
+    raise NoBackendError(f"no attention backend can serve this model at "
+                         f"dtype={dtype_name(wanted)}:\n" + "\n".join(why))

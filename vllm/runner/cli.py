@@ -82,6 +82,7 @@ def _prompts(args: argparse.Namespace, engine: LLMEngine) -> list[list[int]]:
 def _json_result(engine: LLMEngine, outputs: list[RequestOutput]) -> dict[str, Any]:
     return {
         "backend": engine.choice.backend.name,
+        "dtype": engine.describe()["dtype"],
         "outputs": [{"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids,
                      "text": o.text} for o in outputs],
         "tokens_per_s": round(engine.stats.tokens_per_s, 3),
