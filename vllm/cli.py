@@ -88,6 +88,13 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runs_on(backend: AnyBackend, device: torch.device) -> bool:
+    try:
+        return not backend.device_unsupported_reasons(device)
+    except Exception:  # a plugin's hook that raises: check_backend reports it as its FAIL
+        return True
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from vllm.attention.conformance import check_backend
     from vllm.attention.registry import list_entries
@@ -95,14 +102,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     targets: list[str] = list(args.backends)
     if args.all or not targets:
-        targets = [e.name for e in list_entries() if e.cls is not None
-                   and not e.cls.device_unsupported_reasons(device)] + targets
+        # an entry that failed to load (a bad declaration, an import error) stays in:
+        # it is reported as that backend's FAIL, never silently left out
+        targets = [e.name for e in list_entries() if e.cls is None
+                   or _runs_on(e.cls, device)] + targets
     failed = 0
     for target in targets:
         try:
             backend = _resolve(target)
         except AttentionError as exc:
-            print(f"FAIL {target}: {exc}")
+            text = str(exc)  # a module:Class target's error already starts with it
+            print(f"FAIL {text}" if text.startswith(f"{target}: ") else f"FAIL {target}: {text}")
             failed += 1
             continue
         report = check_backend(backend, device, thorough=args.thorough)

@@ -4,15 +4,24 @@ the compute path (and why not a faster one) on this machine, and the kit on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from tests.backends.grid import STANDARD
 from vllm.attention import allocate_kv_cache
+from vllm.attention.backend import (
+    AttentionBackend,
+    PagedAttentionMetadata,
+    SizeSpec,
+    exactly,
+)
+from vllm.attention.backends.torch_ref import TorchRefBackend
 from vllm.attention.backends.standard import StandardBackend
 from vllm.attention.conformance import check_backend
-from vllm.attention.errors import InvalidArgumentError
-from vllm.attention.registry import get_backend, select_backend
+from vllm.attention.errors import BackendRegistrationError, InvalidArgumentError
+from vllm.attention.registry import get_backend, register_backend, select_backend
 from vllm.attention.types import AttentionType, KVCacheLayout
 
 CPU = torch.device("cpu")
@@ -131,3 +140,146 @@ def test_conformance_kit_quick_cpu(name: str) -> None:
     report = check_backend(name, "cpu", max_configs=3)
     assert report.ok, report.failures
     assert report.compute_path == "torch" and len(report.passed) == 3
+
+
+# -- declarations as plugins write them --------------------------------------------------
+
+PLUGINS = "tests.backends.declared_plugins"
+
+
+def test_unambiguous_spellings_are_normalised_at_class_creation() -> None:
+    from tests.backends.declared_plugins import PlainlySpelled
+
+    assert PlainlySpelled.kv_cache_layout is KVCacheLayout.SPLIT_NHD
+    assert PlainlySpelled.head_sizes == exactly(64, 128)
+    assert PlainlySpelled.block_sizes == exactly(16, 32)
+    assert PlainlySpelled.supported_dtypes == frozenset({torch.float32})
+    assert PlainlySpelled.supported_kv_cache_dtypes == frozenset({"auto", "fp8_e4m3"})
+    assert dict(PlainlySpelled.tolerances) == {torch.float32: 1e-4}
+    assert PlainlySpelled.declaration_problems() == []
+    reasons = PlainlySpelled.unsupported_reasons(dtype=torch.float32, head_size=96,
+                                                 block_size=16)
+    assert reasons == ["head_size=96, PLAINLY_SPELLED needs 64, 128"]
+
+
+@pytest.mark.parametrize(("declarations", "normal"), [
+    (dict(kv_cache_layout="SPLIT_HND"), dict(kv_cache_layout=KVCacheLayout.SPLIT_HND)),
+    (dict(head_sizes=128), dict(head_sizes=exactly(128))),
+    (dict(head_sizes=range(64, 257, 64)), dict(head_sizes=exactly(64, 128, 192, 256))),
+    (dict(supported_dtypes={torch.bfloat16, "torch.float16"}),
+     dict(supported_dtypes=frozenset({torch.bfloat16, torch.float16}))),
+    (dict(supported_dtypes=torch.float16), dict(supported_dtypes=frozenset({torch.float16}))),
+    (dict(supported_kv_cache_dtypes="auto"), dict(supported_kv_cache_dtypes=frozenset({"auto"}))),
+    (dict(attention_types=["decoder", AttentionType.ENCODER]),
+     dict(attention_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER}))),
+    (dict(tolerances={"float32": 1e-3, torch.float16: 1, torch.bfloat16: 0.05}),
+     dict(tolerances={torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 0.05})),
+])
+def test_each_spelling(declarations: dict[str, object], normal: dict[str, object]) -> None:
+    cls = type("Spelled", (TorchRefBackend,), {"name": "SPELLED", **declarations})
+    for key, want in normal.items():
+        got = getattr(cls, key)
+        assert (dict(got) if key == "tolerances" else got) == want
+    assert cls.declaration_problems() == []
+
+
+@pytest.mark.parametrize(("declaration", "value", "allowed"), [
+    ("name", "", "a non-empty str"),
+    ("kv_cache_layout", "split_nhdd", "value or name of one: split_nhd, split_hnd"),
+    ("kv_cache_layout", 3, "a KVCacheLayout"),
+    ("head_sizes", [64, "128"], "positive ints"),
+    ("head_sizes", [], "positive ints"),
+    ("block_sizes", 0, "positive ints"),
+    ("block_sizes", SizeSpec(values=frozenset()), "a SizeSpec that admits a size"),
+    ("block_sizes", SizeSpec(multiple_of=16, min=16, max=8), "max >= min"),
+    ("supported_dtypes", [torch.int8], "torch.float32, torch.float16, torch.bfloat16"),
+    ("supported_dtypes", frozenset(), "one or more of torch.float32"),
+    ("supported_kv_cache_dtypes", ["auto", "FP8"], "one or more of auto, fp8, fp8_e4m3"),
+    ("attention_types", ["causal"], "one or more AttentionType members"),
+    ("supports_sliding_window", "no", "True or False"),
+    ("is_mla", 1, "True or False"),
+    ("migration", "ported", "'migrated' or 'adapted'"),
+    ("vendor_package", "", "None or the import name"),
+    ("tolerances", {torch.float32: float("nan")}, "positive finite float"),
+    ("tolerances", 1e-3, "a mapping of model dtype"),
+])
+def test_bad_declaration_is_a_problem_not_an_import_error(
+        declaration: str, value: object, allowed: str) -> None:
+    cls = type("Bad", (TorchRefBackend,), {declaration: value})  # creating it never raises
+    problems = cls.declaration_problems()
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{declaration}: got {value!r}, expected ")
+    assert allowed in problems[0]
+    reasons = cls.unsupported_reasons(dtype=torch.float32, head_size=64, block_size=16)
+    assert reasons == [f"{getattr(cls, 'name', 'Bad')} is declared wrongly: {problems[0]}"]
+    with pytest.raises(BackendRegistrationError, match=f"declared wrongly: {declaration}: got"):
+        register_backend(cls)
+    report = check_backend(cls, "cpu")
+    assert not report.ok and report.failures == [
+        f"{report.backend} is declared wrongly: {problems[0]}"]
+
+
+def test_tolerances_must_cover_the_declared_dtypes() -> None:
+    cls = type("Loose", (TorchRefBackend,), {"name": "LOOSE",
+                                             "tolerances": {torch.float32: 1e-4}})
+    assert cls.declaration_problems() == [
+        "tolerances: got {torch.float32: 0.0001}, expected a tolerance for every supported "
+        "dtype (missing bfloat16, float16)"]
+
+
+def test_missing_declarations_are_problems_too() -> None:
+    class Bare(AttentionBackend[PagedAttentionMetadata]):
+        pass
+
+    assert Bare.missing_declarations() == [
+        "name", "kv_cache_layout", "get_builder_cls", "get_impl_cls", "get_kv_cache_writer",
+        "get_metadata_cls"]
+    problems = Bare.declaration_problems()
+    assert problems[:2] == ["name: not declared, expected a non-empty str",
+                            "kv_cache_layout: not declared, expected a KVCacheLayout"]
+    assert "get_impl_cls: not defined (an abstract classmethod)" in problems
+
+
+def test_a_late_assignment_is_checked_and_normalised_too() -> None:
+    cls = type("Late", (TorchRefBackend,), {"name": "LATE"})
+    cls.head_sizes = [64]
+    assert cls.declaration_problems() == [] and cls.head_sizes == exactly(64)
+    cls.kv_cache_layout = "nhd"
+    assert [p.split(":")[0] for p in cls.declaration_problems()] == ["kv_cache_layout"]
+
+
+@pytest.fixture
+def small_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A registry of TORCH_REF and one entry whose class is declared wrongly, so
+    ``check --all`` stays quick."""
+    from vllm.attention import registry
+
+    monkeypatch.setattr(registry, "_IN_TREE", {
+        "BADLY_DECLARED": f"{PLUGINS}:BadlyDeclared",
+        "TORCH_REF": "vllm.attention.backends.torch_ref:TorchRefBackend",
+    })
+    registry._reset_for_tests()
+    yield
+    registry._reset_for_tests()
+
+
+def test_check_all_reports_a_bad_declaration_as_that_backends_fail(
+        small_registry: None, capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm.cli import main
+
+    status = main(["check", "--all", "--device", "cpu", f"{PLUGINS}:BadlyDeclared",
+                   f"{PLUGINS}:PlainlySpelled"])
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 1
+    fails = [ln for ln in lines if ln.startswith("FAIL ")]
+    # the registered entry and the module:Class target, each one line naming the
+    # declarations, the values seen and what is allowed
+    assert len(fails) == 2, lines
+    for line in fails:
+        assert "BadlyDeclared is declared wrongly" in line
+        assert "kv_cache_layout: got 'split_nhdd', expected a KVCacheLayout" in line
+        assert "head_sizes: got [64, '128'], expected a SizeSpec" in line
+    assert fails[1].startswith(f"FAIL {PLUGINS}:BadlyDeclared: backend BadlyDeclared")
+    assert any(ln.startswith("PASS TORCH_REF [cpu]") for ln in lines), lines
+    assert any(ln.startswith("PASS PLAINLY_SPELLED [cpu]") for ln in lines), lines
+    assert lines[-1] == "2 passed, 2 failed"

@@ -11,7 +11,7 @@ import abc
 import dataclasses
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import (
@@ -22,6 +22,7 @@ from typing import (
     Generic,
     Literal,
     Protocol,
+    TypeGuard,
     TypeVar,
 )
 
@@ -30,6 +31,7 @@ import torch
 from vllm.attention.errors import InvalidArgumentError, UnsupportedBackendError
 from vllm.attention.layouts import kv_cache_shape, kv_cache_stride_order
 from vllm.attention.types import (
+    KV_CACHE_DTYPES,
     AttentionType,
     KVCacheDType,
     KVCacheLayout,
@@ -249,6 +251,203 @@ ComputePath = str
 """A short name of the compute path that runs (``"torch"``, ``"triton"``, ``"flash_attn.cute"``)."""
 
 
+# -- declarations: checked and normalised when a backend class is created ---------------
+
+
+class _Rejected(Exception):
+    """A declaration's value has no unambiguous meaning; ``allowed`` says what would."""
+
+    def __init__(self, allowed: str) -> None:
+        super().__init__(allowed)
+        self.allowed = allowed
+
+
+_COLLECTIONS = (list, tuple, set, frozenset, range)
+
+
+def _members(value: object) -> tuple[object, ...]:
+    """A collection's items, or a lone value as a one-item tuple."""
+    return tuple(value) if isinstance(value, _COLLECTIONS) else (value,)
+
+
+def _is_size(n: object) -> TypeGuard[int]:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+
+_SIZES_ALLOWED = ("a SizeSpec (exactly(64, 128), multiple_of(16), SizeSpec(...)) or positive "
+                  "ints: one, or a list, tuple, set or range of them")
+
+
+def _size_spec(value: object) -> SizeSpec:
+    if isinstance(value, SizeSpec):
+        v = value
+        values: object = v.values  # a dataclass does not check its field types
+        ok = (_is_size(v.multiple_of) and _is_size(v.min)
+              and (v.max is None or (_is_size(v.max) and v.max >= v.min))
+              and (values is None or (isinstance(values, frozenset) and bool(values)
+                                      and all(_is_size(n) for n in values))))
+        if ok:
+            return value
+        raise _Rejected(f"a SizeSpec that admits a size: positive values, multiple_of and "
+                        f"min, max >= min; {_SIZES_ALLOWED}")
+    sizes = _members(value)
+    ints = [n for n in sizes if _is_size(n)]
+    if sizes and len(ints) == len(sizes):
+        return exactly(*ints)
+    raise _Rejected(_SIZES_ALLOWED)
+
+
+def _layout(value: object) -> KVCacheLayout:
+    if isinstance(value, KVCacheLayout):
+        return value
+    if isinstance(value, str):
+        for member in KVCacheLayout:
+            if value.lower() == member.value:
+                return member
+    raise _Rejected("a KVCacheLayout, or the value or name of one: "
+                    + ", ".join(m.value for m in KVCacheLayout))
+
+
+_DTYPE_BY_NAME = {name: d for d, name in _DTYPE_NAMES.items()}
+
+
+def _model_dtypes(value: object) -> frozenset[torch.dtype]:
+    found: set[torch.dtype] = set()
+    for item in _members(value):
+        if isinstance(item, str):
+            item = _DTYPE_BY_NAME.get(item.removeprefix("torch."), item)
+        if not (isinstance(item, torch.dtype) and item in _FLOAT_DTYPES):
+            found.clear()
+            break
+        found.add(item)
+    if not found:
+        raise _Rejected("one or more of torch.float32, torch.float16, torch.bfloat16 (or their "
+                        "names), alone or in a set, list or tuple")
+    if isinstance(value, frozenset) and found == set(value):
+        return value
+    return frozenset(found)
+
+
+def _cache_dtypes(value: object) -> frozenset[KVCacheDType]:
+    found: set[KVCacheDType] = set()
+    for item in _members(value):
+        parsed = next((d for d in KV_CACHE_DTYPES if item == d), None)
+        if parsed is None:
+            found.clear()
+            break
+        found.add(parsed)
+    if not found:
+        raise _Rejected("one or more of " + ", ".join(KV_CACHE_DTYPES)
+                        + ", alone or in a set, list or tuple")
+    if isinstance(value, frozenset) and found == set(value):
+        return value
+    return frozenset(found)
+
+
+def _attention_types(value: object) -> frozenset[AttentionType]:
+    found: set[AttentionType] = set()
+    for item in _members(value):
+        if isinstance(item, str):
+            item = next((t for t in AttentionType if item.lower() == t.value), item)
+        if not isinstance(item, AttentionType):
+            found.clear()
+            break
+        found.add(item)
+    if not found:
+        raise _Rejected("one or more AttentionType members (or their values: "
+                        + ", ".join(t.value for t in AttentionType)
+                        + "), alone or in a set, list or tuple")
+    if isinstance(value, frozenset) and found == set(value):
+        return value
+    return frozenset(found)
+
+
+def _flag(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise _Rejected("True or False")
+
+
+def _name(value: object) -> str:
+    if isinstance(value, str) and value and value == value.strip():
+        return value
+    raise _Rejected("a non-empty str without surrounding spaces, such as 'MY_BACKEND'")
+
+
+def _migration(value: object) -> Literal["migrated", "adapted"]:
+    if value == "migrated":
+        return "migrated"
+    if value == "adapted":
+        return "adapted"
+    raise _Rejected("'migrated' or 'adapted' (set by the shim for the classes it adapts)")
+
+
+def _vendor_package(value: object) -> str | None:
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise _Rejected("None or the import name of a package, such as 'flash_attn'")
+
+
+def _tolerances(value: object) -> Mapping[torch.dtype, float]:
+    allowed = ("a mapping of model dtype (torch.float32, torch.float16, torch.bfloat16) to a "
+               "positive finite float")
+    if not isinstance(value, Mapping):
+        raise _Rejected(allowed)
+    found: dict[torch.dtype, float] = {}
+    for dtype, tol in value.items():
+        dt = _DTYPE_BY_NAME.get(dtype.removeprefix("torch."), dtype) if isinstance(
+            dtype, str) else dtype
+        if not (isinstance(dt, torch.dtype) and dt in _FLOAT_DTYPES
+                and isinstance(tol, (int, float)) and not isinstance(tol, bool)
+                and math.isfinite(tol) and tol > 0):
+            raise _Rejected(allowed)
+        found[dt] = float(tol)
+    if isinstance(value, MappingProxyType) and dict(value) == found:
+        return value
+    return MappingProxyType(found)
+
+
+_NORMALISERS: Final[Mapping[str, Callable[[object], object]]] = MappingProxyType({
+    "name": _name,
+    "kv_cache_layout": _layout,
+    "supported_dtypes": _model_dtypes,
+    "supported_kv_cache_dtypes": _cache_dtypes,
+    "block_sizes": _size_spec,
+    "head_sizes": _size_spec,
+    "attention_types": _attention_types,
+    "supports_sliding_window": _flag,
+    "supports_logits_soft_cap": _flag,
+    "is_mla": _flag,
+    "is_sparse": _flag,
+    "migration": _migration,
+    "vendor_package": _vendor_package,
+    "tolerances": _tolerances,
+})
+"""Every declaration of :class:`AttentionBackend`, with the function that checks it and
+turns an unambiguous spelling into the declared type (``docs/writing_a_backend.md``)."""
+
+REQUIRED_DECLARATIONS: Final[tuple[str, ...]] = ("name", "kv_cache_layout")
+"""Declarations without a default: every concrete backend sets them."""
+
+
+def _normalise_declarations(cls: type) -> dict[str, str]:
+    """Replace each declaration of ``cls`` by its normal form; the rejected ones, each
+    with a ``"<declaration>: got <value>, expected <allowed>"`` line."""
+    problems: dict[str, str] = {}
+    for declaration, normalise in _NORMALISERS.items():
+        if not hasattr(cls, declaration):
+            continue  # a missing one is missing_declarations()'s to report
+        value = getattr(cls, declaration)
+        try:
+            normal = normalise(value)
+        except _Rejected as rejected:
+            problems[declaration] = f"{declaration}: got {value!r}, expected {rejected.allowed}"
+            continue
+        if normal is not value:
+            setattr(cls, declaration, normal)
+    return problems
+
+
 class AttentionBackend(abc.ABC, Generic[M]):
     """Class-level declarations and classmethods; never instantiated.
 
@@ -276,8 +475,11 @@ class AttentionBackend(abc.ABC, Generic[M]):
     subclass that does not declare its own gets the defaults for its dtypes."""
 
     def __init_subclass__(cls, **kwargs: object) -> None:
+        # Never raises for a bad declaration: importing a plugin must not break the
+        # registry or the CLI; declaration_problems() reports it as that backend's.
         super().__init_subclass__(**kwargs)
-        if "tolerances" not in vars(cls):
+        _normalise_declarations(cls)
+        if "tolerances" not in vars(cls) and isinstance(cls.supported_dtypes, frozenset):
             cls.tolerances = MappingProxyType(
                 {d: DEFAULT_TOLERANCES[d] for d in cls.supported_dtypes if d in DEFAULT_TOLERANCES}
             )
@@ -359,6 +561,10 @@ class AttentionBackend(abc.ABC, Generic[M]):
         device: torch.device | None = None,
     ) -> list[str]:
         """Every reason this backend cannot run the configuration; empty if it can."""
+        problems = cls.declaration_problems()
+        if problems:
+            who = getattr(cls, "name", cls.__qualname__)
+            return [f"{who} is declared wrongly: {p}" for p in problems]
         n = cls.name
         reasons: list[str] = []
         if dtype not in cls.supported_dtypes:
@@ -398,10 +604,35 @@ class AttentionBackend(abc.ABC, Generic[M]):
     @classmethod
     def missing_declarations(cls) -> list[str]:
         """Names of required declarations or classmethods this class lacks."""
-        missing = [a for a in ("name", "kv_cache_layout") if not hasattr(cls, a)]
+        missing = [a for a in REQUIRED_DECLARATIONS if not hasattr(cls, a)]
         if inspect.isabstract(cls):
             missing.extend(sorted(getattr(cls, "__abstractmethods__", ())))
         return missing
+
+    @classmethod
+    def declaration_problems(cls) -> list[str]:
+        """Everything that keeps this class from being registered or checked, one line
+        each (``"head_sizes: got ..., expected ..."``); empty when it is complete.
+
+        The declarations are checked as they are now (also after a late assignment),
+        and unambiguous spellings are replaced by their declared type on the class.
+        """
+        problems = [
+            f"{m}: not declared, expected "
+            + ("a KVCacheLayout" if m == "kv_cache_layout" else "a non-empty str")
+            if m in REQUIRED_DECLARATIONS else f"{m}: not defined (an abstract classmethod)"
+            for m in cls.missing_declarations()
+        ]
+        rejected = _normalise_declarations(cls)
+        problems.extend(rejected.values())
+        if "tolerances" not in rejected and "supported_dtypes" not in rejected:
+            tolerances, dtypes = cls.tolerances, cls.supported_dtypes
+            lacking = sorted(dtype_name(d) for d in dtypes - set(tolerances))
+            if lacking:
+                problems.append(
+                    f"tolerances: got {dict(tolerances)!r}, expected a tolerance for every "
+                    f"supported dtype (missing {', '.join(lacking)})")
+        return problems
 
 
 def check_supported(

@@ -291,8 +291,11 @@ def check_config(backend: AnyBackend, cfg: CheckConfig, *, seed: int = 0) -> lis
     try:
         return _check_write(backend, cfg, gen) + _check_compute(backend, cfg, gen)
     except Exception as exc:  # a crash is a failure of this config, reported with its cause
-        tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        return [f"{cfg.id}: raised {tb}"]
+        return [f"{cfg.id}: raised {_one_line(exc)}"]
+
+
+def _one_line(exc: BaseException) -> str:
+    return traceback.format_exception_only(type(exc), exc)[-1].strip()
 
 
 def check_backend(backend: AnyBackend | str, device: str | torch.device = "cpu", *,
@@ -306,12 +309,23 @@ def check_backend(backend: AnyBackend | str, device: str | torch.device = "cpu",
 
     cls = get_backend(backend) if isinstance(backend, str) else backend
     dev = torch.device(device)
-    report = Report(backend=cls.name, device=str(dev), compute_path=cls.compute_path(dev))
-    blockers = cls.device_unsupported_reasons(dev)
-    if blockers:
-        report.skipped.append(f"{cls.name} on {dev}: " + "; ".join(blockers))
+    declared_name = getattr(cls, "name", None)
+    name = declared_name if isinstance(declared_name, str) else cls.__qualname__
+    report = Report(backend=name, device=str(dev))
+    problems = cls.declaration_problems()
+    if problems:  # nothing below can be trusted to run on such a class
+        report.failures.extend(f"{name} is declared wrongly: {p}" for p in problems)
         return report
-    writer = cls.get_kv_cache_writer("auto")
+    try:
+        report.compute_path = cls.compute_path(dev)
+        blockers = cls.device_unsupported_reasons(dev)
+        if blockers:
+            report.skipped.append(f"{cls.name} on {dev}: " + "; ".join(blockers))
+            return report
+        writer = cls.get_kv_cache_writer("auto")
+    except Exception as exc:  # a plugin's own hook failing is that backend's failure
+        report.failures.append(f"{name}: raised {_one_line(exc)}")
+        return report
     path = getattr(writer, "path", None)
     report.writer_path = str(path(dev)) if callable(path) else "torch"
     if cls.is_mla:

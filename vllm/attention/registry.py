@@ -111,10 +111,11 @@ def import_target(target: str) -> object:
 def _as_backend(obj: object, *, origin: str) -> AnyBackend:
     """A new-style backend class, adapting a legacy one through :mod:`shim`."""
     if isinstance(obj, type) and issubclass(obj, AttentionBackend):
-        missing = obj.missing_declarations()
-        if missing:
+        problems = obj.declaration_problems()
+        if problems:
             raise BackendRegistrationError(
-                f"{origin}: backend {obj.__qualname__} lacks {', '.join(missing)}"
+                f"{origin}: backend {obj.__qualname__} is declared wrongly: "
+                + "; ".join(problems)
             )
         return obj
     from shim.adapter import adapt_legacy_backend, is_legacy_backend
