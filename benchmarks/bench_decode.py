@@ -5,8 +5,8 @@ Default shape (the target): batch 64, 4096 context tokens, 32 query / 8 kv heads
 head size 128, bf16, page sizes 16, 32, 64, 128. Prints a table and writes
 ``decode.json`` under ``--out``. Run from the repository root on a CUDA machine::
 
-    python benchmarks/bench_decode.py --out benchmarks/results/h200
-    python benchmarks/bench_decode.py --sweep --out benchmarks/results/h200   # tune tiles
+    python benchmarks/bench_decode.py --out benchmarks/results/h200/<date>-<commit>
+    python benchmarks/bench_decode.py --sweep --out DIR   # tune tiles
 
 Each row's time is the median over ``--iters`` launches (CUDA events, after
 warm-up). ``GB/s`` counts the K and V bytes a decode step must read once.

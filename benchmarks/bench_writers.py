@@ -10,7 +10,7 @@ also checked once against the torch reference (byte-identical cache).
 
 Run from the repository root on a CUDA machine::
 
-    python benchmarks/bench_writers.py --out benchmarks/results/h200
+    python benchmarks/bench_writers.py --out benchmarks/results/h200/<date>-<commit>
 
 Writes ``writers.json`` under ``--out`` and prints a table. Without CUDA it runs a
 tiny CPU smoke configuration (torch reference only) so the script stays runnable.

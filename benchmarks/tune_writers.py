@@ -13,7 +13,7 @@ come from this table (``docs/performance.md``). Then the fused RoPE + write (key
 only, T=8192) against the plain write, in CUDA graphs, for the launch variants of
 ``--rope-variants`` (warps, L2 hints, tokens a program, ...), fp8 at each scale.
 
-    python benchmarks/tune_writers.py --out benchmarks/results/h200
+    python benchmarks/tune_writers.py --out benchmarks/results/h200/<date>-<commit>
 
 Writes ``tune_writers.json``. Needs CUDA and Triton (exits 0 with a note otherwise).
 """
