@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from vllm.attention.errors import InvalidArgumentError
-from vllm.attention.ops.paged_attention import PagedBatchLike, check_paged_args
+from vllm.attention.ops.paged_args import PagedBatchLike, check_paged_args
 from vllm.attention.ops.paged_kv import Dequant, PagedKV
 from vllm.attention.types import KVCacheLayout
 
