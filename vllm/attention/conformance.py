@@ -25,6 +25,7 @@ import torch
 
 from vllm.attention.backend import AttentionBackend, allocate_kv_cache, dtype_name
 from vllm.attention.batch import make_paged_batch
+from vllm.attention.errors import AttentionError
 from vllm.attention.layer import Attention
 from vllm.attention.ops.reference import attend
 from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
@@ -214,6 +215,38 @@ def _check_write(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) ->
     return failures
 
 
+def exercised_features(cfg: CheckConfig) -> str:
+    """What a configuration exercises beyond the plainest case, each with the declaration
+    by which a backend without it opts out (so a failure points at its cause)."""
+    parts: list[str] = []
+    if cfg.sliding_window is not None:
+        parts.append(f"sliding_window={cfg.sliding_window} (a backend without it declares "
+                     "supports_sliding_window = False)")
+    if cfg.logits_soft_cap is not None:
+        parts.append(f"logits_soft_cap={cfg.logits_soft_cap} (a backend without it declares "
+                     "supports_logits_soft_cap = False)")
+    if cfg.attn_type is not AttentionType.DECODER:
+        parts.append(f"attn_type={cfg.attn_type.value}, bidirectional (a backend without it "
+                     f"leaves AttentionType.{cfg.attn_type.name} out of attention_types)")
+    if cfg.cache_dtype != "auto":
+        scales = "per-kv-head" if cfg.per_head_scale else "per-tensor"
+        parts.append(f"kv_cache_dtype={cfg.cache_dtype!r} with {scales} scales (a backend "
+                     f"without it leaves {cfg.cache_dtype!r} out of supported_kv_cache_dtypes)")
+    group = cfg.num_heads // cfg.num_kv_heads
+    if group > 1:
+        kind = "MQA" if cfg.num_kv_heads == 1 else "GQA"
+        parts.append(f"{kind}: {group} query heads per kv head (num_heads={cfg.num_heads}, "
+                     f"num_kv_heads={cfg.num_kv_heads}; every backend must support it)")
+    if cfg.head_size_v is not None:
+        parts.append(f"head_size_v={cfg.head_size_v} != head_size={cfg.head_size} "
+                     "(distinct_v_head_size = True)")
+    batch = ("encoder sequences of several blocks" if cfg.attn_type is AttentionType.ENCODER
+             else "prefill, chunked prefill and decode requests")
+    parts.append(f"dtype={dtype_name(cfg.dtype)}, block_size={cfg.block_size}, a batch of "
+                 f"{batch} whose contexts cross block boundaries")
+    return "the configuration exercises " + "; ".join(parts)
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     denom = float(ref.norm())
     return float((out.double() - ref).norm()) / (denom if denom > 0 else 1.0)
@@ -253,10 +286,11 @@ def _check_compute(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) 
     if not torch.equal(raw_bytes(cache), before):
         failures.append(f"{cfg.id} compute: impl.forward changed the cache bytes")
     if bool(torch.isnan(result).any()):
-        failures.append(f"{cfg.id} compute: output has NaN (unwritten or masked wrongly)")
+        failures.append(f"{cfg.id} compute: output has NaN (unwritten or masked wrongly); "
+                        + exercised_features(cfg))
         return failures
     # float64 reference over the dequantised cached K/V of each request
-    ref = torch.empty(n_new, cfg.num_heads, dv, dtype=torch.float64)
+    kv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # per request: q, k, v
     ctx_at = new_at = 0
     for c, qn in zip(context_lens, query_lens):
         slots = torch.cat([batch.context_slots[ctx_at: ctx_at + c],
@@ -265,17 +299,39 @@ def _check_compute(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) 
                           quant=layer.kv_quant, num_kv_heads=cfg.num_kv_heads,
                           head_size=cfg.head_size, head_size_v=cfg.head_size_v,
                           dequantize=True)
-        ref[new_at: new_at + qn] = attend(
-            q[new_at: new_at + qn].double().cpu(), k.double().cpu(), v.double().cpu(),
-            scale=layer.spec.scale, causal=causal, sliding_window=cfg.sliding_window,
-            logits_soft_cap=cfg.logits_soft_cap,
-        )
+        kv.append((q[new_at: new_at + qn].double().cpu(), k.double().cpu(), v.double().cpu()))
         ctx_at += c
         new_at += qn
+
+    def reference(causal: bool, sliding_window: int | None,
+                  logits_soft_cap: float | None) -> torch.Tensor:
+        return torch.cat([attend(qr, k, v, scale=layer.spec.scale, causal=causal,
+                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                          for qr, k, v in kv])
+
     tol = backend.tolerances[cfg.dtype]
-    err = _rel_err(result.cpu(), ref)
+    got = result.cpu()
+    err = _rel_err(got, reference(causal, cfg.sliding_window, cfg.logits_soft_cap))
     if not err <= tol:
-        failures.append(f"{cfg.id} compute: relative error {err:.2e} > tolerance {tol:.0e}")
+        message = (f"{cfg.id} compute: relative error {err:.2e} > tolerance {tol:.0e}; "
+                   + exercised_features(cfg))
+        # An impl that ignores an option matches the reference without it: say which.
+        without: list[tuple[str, bool, int | None, float | None]] = []
+        if cfg.sliding_window is not None:
+            without.append((f"sliding_window={cfg.sliding_window}", causal, None,
+                            cfg.logits_soft_cap))
+        if cfg.logits_soft_cap is not None:
+            without.append((f"logits_soft_cap={cfg.logits_soft_cap}", causal,
+                            cfg.sliding_window, None))
+        if not causal:
+            without.append((f"attn_type={cfg.attn_type.value} (bidirectional)", True,
+                            cfg.sliding_window, cfg.logits_soft_cap))
+        for feature, causal_w, window_w, cap_w in without:
+            err_without = _rel_err(got, reference(causal_w, window_w, cap_w))
+            if err_without <= tol:
+                message += (f"; the output matches attention without {feature} (relative "
+                            f"error {err_without:.2e}): the impl ignores it")
+        failures.append(message)
     return failures
 
 
@@ -336,7 +392,11 @@ def check_backend(backend: AnyBackend | str, device: str | torch.device = "cpu",
         )
 
         report.failures.extend(check_no_slot_mapping(cls))
-        mla_grid = mla_conformance_grid(cls, dev, thorough=thorough)
+        try:
+            mla_grid = mla_conformance_grid(cls, dev, thorough=thorough)
+        except AttentionError as exc:  # declarations the kit cannot build a grid from
+            report.failures.append(str(exc))
+            return report
         for i, mla_cfg in enumerate(mla_grid[:max_configs]):
             failures = check_mla_config(cls, mla_cfg, seed=seed + i)
             report.failures.extend(failures)

@@ -35,6 +35,7 @@ from vllm.attention.backends.mla.common import (
     MLASparseMetadata,
 )
 from vllm.attention.batch import make_paged_batch
+from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.layer import MLAAttention
 from vllm.attention.layouts import FP8_DS_MLA_LATENT, FP8_DS_MLA_TILE
 from vllm.attention.ops.reference import attend
@@ -81,7 +82,9 @@ def mla_conformance_grid(backend: AnyBackend, device: str | torch.device = "cpu"
         dtypes = [d for d in dtypes if d != torch.float32] or dtypes
     head = 512 + 64
     if not backend.head_sizes.admits(head):
-        raise ValueError(f"{backend.name} does not admit head_size {head}")  # declaration bug
+        raise InvalidArgumentError(
+            f"{backend.name}.head_sizes", backend.head_sizes.describe(),
+            f"sizes admitting the kit's kv_lora_rank + rope_dim = {head}")
     cache_dtypes = sorted(backend.supported_kv_cache_dtypes, key=lambda c: (c != "auto", c))
     block_sizes = backend.block_sizes.examples((1, 16, 32, 64, 128))
     # on a GPU, DeepSeek-V3's per-GPU shape, so the vendor kernels' shape checks pass;
@@ -288,8 +291,27 @@ def check_mla_compute(backend: AnyBackend, cfg: MLACheckConfig,
     got = result.view(n_new, cfg.num_heads, cfg.v_head_dim).double()
     err = float((got - ref).norm()) / max(float(ref.norm()), 1e-30)
     if not err <= tol:
-        failures.append(f"{tag} compute: relative error {err:.2e} > tolerance {tol:.0e}")
+        failures.append(f"{tag} compute: relative error {err:.2e} > tolerance {tol:.0e}; "
+                        + mla_exercised_features(cfg, sparse=topk is not None))
     return failures
+
+
+def mla_exercised_features(cfg: MLACheckConfig, *, sparse: bool) -> str:
+    """What an MLA configuration exercises, each with the declaration that opts out."""
+    parts: list[str] = []
+    if cfg.cache_dtype == "fp8_ds_mla":
+        parts.append("kv_cache_dtype='fp8_ds_mla': 656-byte entries, per-tile scales (a "
+                     "backend without it leaves 'fp8_ds_mla' out of supported_kv_cache_dtypes)")
+    elif cfg.cache_dtype != "auto":
+        parts.append(f"kv_cache_dtype={cfg.cache_dtype!r} scaled by k_scale (a backend without "
+                     f"it leaves {cfg.cache_dtype!r} out of supported_kv_cache_dtypes)")
+    if sparse:
+        parts.append("sparse top-k positions per query (is_sparse = True)")
+    parts.append(f"dtype={dtype_name(cfg.dtype)}, block_size={cfg.block_size}, "
+                 f"num_heads={cfg.num_heads}, kv_lora_rank={cfg.kv_lora_rank}, "
+                 f"rope_dim={cfg.rope_dim}, a batch of prefill, chunked prefill and decode "
+                 "requests whose contexts cross block boundaries")
+    return "the configuration exercises " + "; ".join(parts)
 
 
 def _reference_output(cfg: MLACheckConfig, spec: MLALayerSpec, cache: torch.Tensor,
