@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -21,8 +21,50 @@ from vllm.attention.errors import AttentionError
 AnyBackend = type[AttentionBackend[Any]]
 
 
+DEVICE_TYPES = ("cpu", "cuda")
+"""The device types the backends run on (ROCm's torch calls its GPUs ``cuda`` too)."""
+
+
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_device(text: str) -> torch.device:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N`` (argparse turns the error into a
+    usage message and exit code 2)."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in DEVICE_TYPES:
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}, expected cpu, cuda or cuda:N (the device types the backends "
+            "run on)")
+    return device
+
+
+def device_unavailable(device: torch.device) -> str | None:
+    """Why this machine cannot run on ``device``, or None when it can."""
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None and torch.version.hip is None:
+            return f"torch {torch.__version__} is a CPU-only build"
+        return (f"torch {torch.__version__} sees no CUDA device "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    count = torch.cuda.device_count()
+    if (device.index or 0) >= count:  # (no index: the current device, which exists)
+        return f"this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}"
+    return None
+
+
+def available_device(text: str) -> torch.device:
+    """``--device`` for a command that must run there (``generate``)."""
+    device = parse_device(text)
+    why = device_unavailable(device)
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"got {text!r}, but {why} (use --device cpu)")
+    return device
 
 
 def _resolve(target: str) -> AnyBackend:
@@ -48,6 +90,7 @@ def backend_rows(device: torch.device) -> list[dict[str, str]]:
     from vllm.attention.registry import list_entries
 
     rows = []
+    absent = device_unavailable(device)
     for entry in list_entries():
         if entry.cls is None:
             rows.append({"name": entry.name, "status": "broken", "layout": "-",
@@ -55,8 +98,8 @@ def backend_rows(device: torch.device) -> list[dict[str, str]]:
                          "here": f"no: {entry.error}"})
             continue
         b = entry.cls
-        blockers = b.device_unsupported_reasons(device)
-        notes = b.compute_path_notes(device)
+        blockers = [absent] if absent else b.device_unsupported_reasons(device)
+        notes = [] if absent else b.compute_path_notes(device)
         here = "yes" if not blockers else "no: " + "; ".join(blockers)
         if not blockers and notes:
             here += " (" + "; ".join(notes) + ")"
@@ -84,7 +127,7 @@ def _print_table(rows: list[dict[str, str]]) -> None:
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
-    _print_table(backend_rows(torch.device(args.device)))
+    _print_table(backend_rows(args.device))
     return 0
 
 
@@ -95,18 +138,33 @@ def _runs_on(backend: AnyBackend, device: torch.device) -> bool:
         return True
 
 
+def kit_header(device: torch.device) -> str:
+    """``check``'s first line: what runs, and where."""
+    head = "conformance kit (docs/conformance.md) on "
+    absent = device_unavailable(device)
+    if absent is not None:
+        return head + f"{device}: {absent}; nothing can run there"
+    if device.type == "cpu":
+        return head + ("cpu: the backends' CPU paths only; their GPU paths (vendor "
+                       "kernels, Triton) run with --device cuda on a machine with a GPU")
+    return head + (f"{device} ({torch.cuda.get_device_name(device)}): the writer and "
+                   "compute paths each backend takes here")
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from vllm.attention.conformance import check_backend
     from vllm.attention.registry import list_entries
 
-    device = torch.device(args.device)
+    device: torch.device = args.device
+    absent = device_unavailable(device)
     targets: list[str] = list(args.backends)
     if args.all or not targets:
         # an entry that failed to load (a bad declaration, an import error) stays in:
         # it is reported as that backend's FAIL, never silently left out
-        targets = [e.name for e in list_entries() if e.cls is None
+        targets = [e.name for e in list_entries() if e.cls is None or absent is not None
                    or _runs_on(e.cls, device)] + targets
-    failed = 0
+    print(kit_header(device))
+    failed = skipped = 0
     for target in targets:
         try:
             backend = _resolve(target)
@@ -114,6 +172,11 @@ def cmd_check(args: argparse.Namespace) -> int:
             text = str(exc)  # a module:Class target's error already starts with it
             print(f"FAIL {text}" if text.startswith(f"{target}: ") else f"FAIL {target}: {text}")
             failed += 1
+            continue
+        if absent is not None:  # one line, not one failure per configuration
+            print(f"SKIP {backend.name} [{device}] status={backend.migration}: {device} is "
+                  "not available here")
+            skipped += 1
             continue
         report = check_backend(backend, device, thorough=args.thorough)
         status = "PASS" if report.ok else "FAIL"
@@ -130,23 +193,37 @@ def cmd_check(args: argparse.Namespace) -> int:
             for line in report.passed:
                 print(f"    ok:   {line}")
         failed += not report.ok
-    print(f"{len(targets) - failed} passed, {failed} failed")
+        skipped += status == "SKIP"
+    summary = f"{len(targets) - failed - skipped} passed, {failed} failed"
+    print(summary + (f", {skipped} skipped" if skipped else ""))
     return 1 if failed else 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in two lines (the message, then where the options are listed)
+    instead of the whole usage block in front of them."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the "
+                     "options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-attn", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="vllm-attn", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("backends", help="list registered backends and what runs here")
-    p.add_argument("--device", default=_default_device())
+    p.add_argument("--device", type=parse_device, default=_default_device(),
+                   help="cpu, cuda or cuda:N (default: %(default)s)")
     p.set_defaults(func=cmd_backends)
     p = sub.add_parser("check", help="run the conformance kit")
     p.add_argument("backends", nargs="*", metavar="NAME|module:Class",
                    help="backends to check (default: every one that can run here)")
     p.add_argument("--all", action="store_true",
                    help="also check every registered backend that can run here")
-    p.add_argument("--device", default=_default_device())
+    p.add_argument("--device", type=parse_device, default=_default_device(),
+                   help="cpu, cuda or cuda:N (default: %(default)s); an absent device "
+                        "is one SKIP line per backend")
     p.add_argument("--thorough", action="store_true", help="the full grid (slower)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_check)
@@ -155,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # the runner is optional until it lands
         pass
     else:
-        add_generate_parser(sub)
+        add_generate_parser(sub, device_type=available_device)
     return parser
 
 

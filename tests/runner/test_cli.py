@@ -207,3 +207,64 @@ def test_named_16_bit_backend_says_what_dtype_it_serves(
                           "--prompt-token-ids", "1,5", "--device", "cpu")
     assert code == 2 and out == ""
     assert re.search(r"FLASH_ATTN cannot serve this model \(llama, dtype=float32.*dtype", err)
+
+
+# -- devices and malformed input: a message and exit code 2, never a traceback ---------
+def _usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--no-progress", *args])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == ""
+    assert len(err.splitlines()) == 2 and "Traceback" not in err, err
+    return err
+
+
+def test_device_of_a_type_the_backends_do_not_run_on(capsys: pytest.CaptureFixture[str]) -> None:
+    for device in ("tpu", "cuda:x", "mps"):
+        err = _usage_error(capsys, "--device", device)
+        assert err.startswith(f"vllm-attn generate: error: argument --device: got '{device}', "
+                              "expected cpu, cuda or cuda:N"), err
+
+
+def test_cuda_without_cuda(monkeypatch: pytest.MonkeyPatch,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _usage_error(capsys, "--device", "cuda", "--prompt-token-ids", "1,2")
+    assert re.match(r"vllm-attn generate: error: argument --device: got 'cuda', but torch "
+                    r"\S+ (is a CPU-only build|sees no CUDA device .*) \(use --device cpu\)$",
+                    err.splitlines()[0]), err
+
+
+def test_cuda_index_past_the_devices(monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    err = _usage_error(capsys, "--device", "cuda:7")
+    assert "got 'cuda:7', but this machine has 1 CUDA device(s): cuda:0 to cuda:0" in err
+
+
+def test_cuda_without_cuda_in_a_real_process() -> None:
+    """What a user's shell shows: two lines, exit code 2 (``CUDA_VISIBLE_DEVICES=""``
+    hides any GPU this machine has)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "vllm.cli", "generate", "--device", "cuda"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 2, proc.stderr
+    assert "argument --device: got 'cuda', but torch" in proc.stderr
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"architectures": ["LlamaForCausalLM"],', "got 'invalid JSON \\(Expecting property name "
+                                                 "enclosed in double quotes at line 1 column 40\\)'"),
+    ("[1, 2]", "got 'list', expected a JSON object"),
+    ("", "got 'invalid JSON \\(Expecting value at line 1 column 1\\)'"),
+])
+def test_malformed_config_json(tmp_path: Path, text: str, match: str,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(text)
+    code, out, err = _run(capsys, "--model", str(tmp_path), "--prompt-token-ids", "1")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.startswith(f"vllm-attn generate: error: {tmp_path / 'config.json'}: "), err
+    assert re.search(match, err), err
+    assert len(err.splitlines()) == 1

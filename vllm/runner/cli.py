@@ -11,7 +11,8 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO, TypeVar
 
 import torch
 
@@ -119,8 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
-    parallel, device = init_tensor_parallel(device)
+    parallel, device = init_tensor_parallel(args.device)
     engine: LLMEngine | None = None
     try:
         engine = LLMEngine.create(
@@ -166,8 +166,13 @@ def _positive(text: str) -> int:
     return value
 
 
-def add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``generate`` to ``vllm-attn``'s subcommands."""
+_Parser = TypeVar("_Parser", bound=argparse.ArgumentParser)
+
+
+def add_generate_parser(sub: argparse._SubParsersAction[_Parser], *,
+                        device_type: Callable[[str], torch.device]) -> None:
+    """Add ``generate`` to ``vllm-attn``'s subcommands; ``device_type`` parses
+    ``--device`` (an absent device is a usage error)."""
     p = sub.add_parser(
         "generate", help="serve prompts through the paged-KV runner",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -194,7 +199,9 @@ def add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--block-size", type=_positive, default=None,
                    help="default: from the backend's declared block sizes")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device_type,
+                   default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=_positive, default=16)
     p.add_argument("--max-num-batched-tokens", type=_positive, default=512,
                    help="per-step token budget (longer prompts are chunked)")

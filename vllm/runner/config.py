@@ -272,8 +272,14 @@ def load_config(model_dir: Path) -> ModelConfig:
         raise InvalidArgumentError("--model", str(model_dir),
                                    "a directory holding config.json (and *.safetensors or "
                                    "pytorch_model*.bin)")
-    with path.open(encoding="utf-8") as f:
-        raw = json.load(f)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise InvalidArgumentError(str(path), f"invalid JSON ({exc.msg} at line {exc.lineno} "
+                                   f"column {exc.colno})", "a JSON object") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgumentError(str(path), f"unreadable ({exc})",
+                                   "a UTF-8 JSON file") from None
     if not isinstance(raw, dict):
         raise InvalidArgumentError(str(path), type(raw).__name__, "a JSON object")
     return parse_config(raw, source=str(path))
