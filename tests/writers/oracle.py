@@ -17,7 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from vllm.attention import KVCacheLayout, KVQuant
-from vllm.attention.writers import mla_writer_for_layout, writer_for_layout
+from vllm.attention.writers import (
+    LegacyPagedKVCacheWriter,
+    mla_writer_for_layout,
+    writer_for_layout,
+)
 
 L = KVCacheLayout
 SPLIT = (L.SPLIT_NHD, L.SPLIT_HND, L.SPLIT_KV_FIRST, L.SPLIT_BLOCK_INTERLEAVED)
@@ -355,6 +359,9 @@ def write(w: Written, path: str | None) -> None:
         mla.write(w.key, w.value, w.cache, w.slots, w.quant, path=path)
     else:
         writer = writer_for_layout(w.case.layout)
+        if isinstance(writer, LegacyPagedKVCacheWriter):  # bound, as a layer binds it
+            writer = writer.bound_to(num_kv_heads=HEADS, head_size=HEAD_SIZE,
+                                     head_size_v=HEAD_SIZE)
         writer.write(w.key, w.value, w.cache, w.slots, w.quant,
                      path=path)
 

@@ -53,6 +53,16 @@ class ProvidesKVCacheWriter(Protocol):
     def kv_cache_writer(self, layer: AttentionLayerProtocol) -> KVCacheWriter: ...
 
 
+@runtime_checkable
+class BindsLayerGeometry(Protocol):
+    """A writer whose cache shape does not carry the layer's head count and size
+    (``legacy_paged``): the layer binds it, and the bound writer rejects keys of any
+    other geometry instead of writing them to the wrong places."""
+
+    def bound_to(self, *, num_kv_heads: int, head_size: int,
+                 head_size_v: int) -> KVCacheWriter: ...
+
+
 def _scale_tensor(name: str, scale: float | torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
     if scale is None:
         return torch.ones(1, dtype=torch.float32)
@@ -256,6 +266,9 @@ class Attention(_LayerBase):
             writer = self.impl.kv_cache_writer(self)
         else:
             writer = backend.get_kv_cache_writer(spec.kv_cache_dtype)
+        if isinstance(writer, BindsLayerGeometry):
+            writer = writer.bound_to(num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                                     head_size_v=spec.v_head_size)
         if not isinstance(writer, KVCacheWriter):
             raise InvalidTypeError("writer", writer, "a KVCacheWriter")
         self.kv_cache_writer: KVCacheWriter = writer

@@ -10,7 +10,7 @@ from typing import Final
 
 import torch
 
-from vllm.attention.errors import KVCacheWriteError
+from vllm.attention.errors import InvalidArgumentError, KVCacheWriteError
 from vllm.attention.layouts import legacy_paged_views
 from vllm.attention.types import KVCacheDType, KVCacheLayout, KVQuant
 from vllm.attention.writers.dispatch import WritePath, WriterBase, resolve_path
@@ -54,12 +54,47 @@ def reference_legacy_paged_write(
 
 
 class LegacyPagedKVCacheWriter(WriterBase):
-    """:class:`~vllm.attention.KVCacheWriter` for ``KVCacheLayout.LEGACY_PAGED``."""
+    """:class:`~vllm.attention.KVCacheWriter` for ``KVCacheLayout.LEGACY_PAGED``.
+
+    The cache ``(2, nb, bs*H*D)`` does not carry ``H`` and ``D``, so a key of another
+    head count or size would fit it and land in the wrong places. A writer bound to
+    a layer's geometry (:meth:`bound_to`; :class:`~vllm.attention.layer.Attention`
+    binds the one it gets from its backend) rejects such keys before writing. An
+    unbound writer takes ``H`` and ``D`` from ``key``: its caller vouches for them.
+    """
 
     layout = KVCacheLayout.LEGACY_PAGED
 
-    def __init__(self, cache_dtypes: tuple[KVCacheDType, ...] = PAGED_CACHE_DTYPES) -> None:
+    def __init__(self, cache_dtypes: tuple[KVCacheDType, ...] = PAGED_CACHE_DTYPES, *,
+                 num_kv_heads: int | None = None, head_size: int | None = None) -> None:
+        if (num_kv_heads is None) != (head_size is None):
+            raise InvalidArgumentError("num_kv_heads/head_size", (num_kv_heads, head_size),
+                                       "both (a bound writer) or neither")
+        given: tuple[tuple[str, object], ...] = (("num_kv_heads", num_kv_heads),
+                                                 ("head_size", head_size))
+        for name, n in given:  # callers outside mypy's reach pass anything
+            if n is not None and not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+                raise InvalidArgumentError(name, n, "a positive int")
         self.cache_dtypes = cache_dtypes
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+
+    def bound_to(self, *, num_kv_heads: int, head_size: int,
+                 head_size_v: int) -> LegacyPagedKVCacheWriter:
+        """This writer for one layer's geometry: keys and values must be
+        ``[>= num_tokens, num_kv_heads, head_size]``."""
+        if head_size_v != head_size:
+            raise InvalidArgumentError(
+                "head_size_v", head_size_v,
+                f"head_size={head_size}: legacy_paged stores K and V of one head size")
+        return LegacyPagedKVCacheWriter(self.cache_dtypes, num_kv_heads=num_kv_heads,
+                                        head_size=head_size)
+
+    def __repr__(self) -> str:
+        if self.num_kv_heads is None:
+            return super().__repr__()
+        return (f"{type(self).__name__}({self.layout.value}, num_kv_heads={self.num_kv_heads}, "
+                f"head_size={self.head_size})")
 
     def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
               slot_mapping: torch.Tensor, quant: KVQuant, *,
@@ -67,6 +102,13 @@ class LegacyPagedKVCacheWriter(WriterBase):
         """See :class:`~vllm.attention.KVCacheWriter`; ``kv_cache``: ``(2, nb, bs*H*D)``."""
         cache = check_cache_tensor(kv_cache)
         h, d = key_heads_and_size(key)
+        if self.num_kv_heads is not None and (h, d) != (self.num_kv_heads, self.head_size):
+            raise KVCacheWriteError(
+                "key.shape", tuple(key.shape),
+                f"[>= num_tokens, num_kv_heads={self.num_kv_heads}, head_size={self.head_size}]"
+                " (the geometry this writer is bound to; a legacy_paged cache does not carry "
+                "it, so no other fits safely)",
+            )
         check_kv_inputs(key, value, slot_mapping, quant, cache=cache, num_kv_heads=h,
                         head_size=d, head_size_v=d, cache_dtypes=self.cache_dtypes)
         k5, v4 = legacy_paged_views(cache, h, d)
