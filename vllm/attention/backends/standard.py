@@ -63,6 +63,24 @@ def _flex_unavailable(device: torch.device) -> str | None:
     return None if err is None else f"torch.compile of flex_attention needs triton ({err})"
 
 
+def _flash_varlen_unavailable(device: torch.device) -> str | None:
+    from vllm.attention.ops.flash_varlen import flash_varlen_unavailable
+
+    return flash_varlen_unavailable(device)
+
+
+def _flash_varlen_note(device: torch.device) -> str:
+    reason = _flash_varlen_unavailable(device)
+    if reason is not None:
+        return f"flash_varlen (prefill): {reason}"
+    from vllm.attention.ops.flash_varlen import MAX_HEAD_SIZE, writes_in_place
+
+    copy = "" if writes_in_place() else "; this torch has no out-variant, so the result is copied"
+    return ("flash_varlen takes compute-heavy prefills (fp16/bf16, auto cache, head size "
+            f"<= {MAX_HEAD_SIZE}, no soft cap) over K/V gathered from the cache{copy}; "
+            "other calls run triton")
+
+
 class StandardBackend(AttentionBackend[SM]):
     """Declarations the nine standard backends add; still class data only."""
 
@@ -121,6 +139,19 @@ class StandardBackend(AttentionBackend[SM]):
         return usable[0].name if usable else cls.fallback_path(device)
 
     @classmethod
+    def runnable_paths(cls, device: torch.device) -> list[ComputePath]:
+        """Every path a call may run on ``device``: the usable vendor kernels, then the
+        portable ones (with Triton, torch's flash varlen kernel takes prefills), torch."""
+        paths: list[ComputePath] = [k.name for k in cls.usable_vendor_kernels(device)]
+        fallback = cls.fallback_path(device)
+        if fallback == "triton" and _flash_varlen_unavailable(device) is None:
+            paths.append("flash_varlen")
+        paths.append(fallback)
+        if fallback != "torch":
+            paths.append("torch")
+        return paths
+
+    @classmethod
     def compute_path_notes(cls, device: torch.device) -> list[str]:
         notes: list[str] = []
         usable = cls.usable_vendor_kernels(device)
@@ -135,6 +166,12 @@ class StandardBackend(AttentionBackend[SM]):
         elif fallback == "torch":
             reason = _portable_unavailable(cls.portable_path, device)
             notes.append(f"{cls.portable_path}: {reason}")
+        if fallback == "triton":
+            notes.append(_flash_varlen_note(device))
+        elif fallback == "flex_attention":
+            from vllm.attention.ops.flex_paged import compiled_note
+
+            notes.append(compiled_note(device))
         return notes
 
 
@@ -207,8 +244,9 @@ class StandardImpl(AttentionImpl[SM]):
         return self.run_portable(call)
 
     def run_portable(self, call: VendorCall) -> torch.Tensor:
-        """Triton / flex_attention where they run, else the torch path."""
-        from vllm.attention.ops.paged_attention import paged_attention
+        """flex_attention, or the paged path :func:`choose_path` picks (torch's flash
+        varlen kernel for compute-heavy prefills, Triton, torch)."""
+        from vllm.attention.ops.paged_attention import choose_path, paged_attention
 
         path = self.backend.fallback_path(call.kv.device)
         spec = self.spec
@@ -223,7 +261,11 @@ class StandardImpl(AttentionImpl[SM]):
             )
             self.last_compute_path = "flex_attention"
             return call.output
-        chosen: Literal["triton", "torch"] = "triton" if path == "triton" else "torch"
+        chosen = choose_path(
+            call.query, call.kv, call.meta, causal=call.causal,
+            sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
+            tree_mask=call.tree_mask, path="auto" if path == "triton" else "torch",
+        )
         paged_attention(
             call.query, call.kv, call.meta, scale=spec.scale, output=call.output,
             causal=call.causal, sliding_window=spec.sliding_window,

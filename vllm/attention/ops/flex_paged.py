@@ -247,3 +247,10 @@ def _physical_to_logical(batch: PagedBatchLike, num_blocks: int, block_size: int
         used = table[i, : -(-int(length) // block_size)]
         out[i, used] = torch.arange(used.shape[0])
     return out
+
+
+def compiled_note(device: torch.device) -> str:
+    """What runs flex_attention on ``device``, for ``compute_path_notes``."""
+    if device.type != "cuda":
+        return f"flex_attention: device={device.type} runs it eagerly (unfused)"
+    return "flex_attention: torch.compile(flex_attention); calls inductor cannot lower run it eagerly"

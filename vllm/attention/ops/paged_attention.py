@@ -35,7 +35,8 @@ from vllm.attention.ops.paged_kv import PagedKV
 from vllm.attention.ops.reference import attend
 from vllm.attention.writers.readback import read_slots
 
-PathName = Literal["auto", "torch", "triton"]
+PathName = Literal["auto", "torch", "triton", "flash_varlen"]
+RunPath = Literal["torch", "triton", "flash_varlen"]
 
 
 # -- tree masks ------------------------------------------------------------------------
@@ -193,6 +194,42 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return triton_paged_attention.triton_unavailable_reason(device)
 
 
+def choose_path(
+    query: torch.Tensor,
+    kv: PagedKV,
+    batch: PagedBatchLike,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    tree_mask: torch.Tensor | None = None,
+    path: PathName = "auto",
+) -> RunPath:
+    """The path :func:`paged_attention` runs for this call.
+
+    ``auto`` on CUDA: torch's flash varlen kernel for compute-heavy prefills it takes
+    (:mod:`vllm.attention.ops.flash_varlen`), else the paged Triton kernel, else torch.
+    Elsewhere torch (the CPU interpreter runs Triton only when ``path="triton"`` asks).
+    A named ``path`` is returned as is (:func:`resolve_path` checks ``triton``).
+    """
+    if path == "flash_varlen":
+        return "flash_varlen"
+    chosen = resolve_path(kv.device, path)
+    if chosen != "triton" or path != "auto":
+        return chosen
+    from vllm.attention.ops import flash_varlen as fv
+
+    if fv.flash_varlen_unavailable(kv.device) is None and fv.flash_varlen_rejects(
+            query, kv, causal=causal, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap, tree_mask=tree_mask) is None and \
+            fv.flash_varlen_worth_it(batch, kv, query.shape[1], query.element_size(),
+                                     causal=causal, sliding_window=sliding_window) is None:
+        return "flash_varlen"
+    from vllm.attention.ops.triton_paged_attention import triton_rejects
+
+    return "torch" if triton_rejects(kv) is not None else "triton"
+
+
 def paged_attention(
     query: torch.Tensor,
     kv: PagedKV,
@@ -206,17 +243,21 @@ def paged_attention(
     tree_mask: torch.Tensor | None = None,
     path: PathName = "auto",
 ) -> torch.Tensor:
-    """The portable compute: Triton on CUDA when it imports, else torch.
+    """The portable compute: the path :func:`choose_path` picks.
 
     Same arguments as :func:`paged_attention_torch`; ``path`` forces one (``"triton"``
-    raises :class:`~vllm.attention.errors.InvalidArgumentError` where it cannot run).
+    and ``"flash_varlen"`` raise :class:`~vllm.attention.errors.InvalidArgumentError`
+    where they cannot run).
     """
-    chosen = resolve_path(kv.device, path)
-    if chosen == "triton" and path == "auto":
-        from vllm.attention.ops.triton_paged_attention import triton_rejects
+    chosen = choose_path(query, kv, batch, causal=causal, sliding_window=sliding_window,
+                         logits_soft_cap=logits_soft_cap, tree_mask=tree_mask, path=path)
+    if chosen == "flash_varlen":
+        from vllm.attention.ops.flash_varlen import paged_attention_flash_varlen
 
-        if triton_rejects(kv) is not None:
-            chosen = "torch"
+        return paged_attention_flash_varlen(
+            query, kv, batch, scale=scale, output=output, causal=causal,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, tree_mask=tree_mask,
+        )
     if chosen == "triton":
         from vllm.attention.ops.triton_paged_attention import paged_attention_triton
 
@@ -231,11 +272,10 @@ def paged_attention(
 
 
 def resolve_path(device: torch.device, path: PathName = "auto") -> Literal["torch", "triton"]:
-    """The path :func:`paged_attention` runs on ``device`` (for registry / CLI reports).
-
-    ``auto`` is Triton on CUDA when it imports, torch everywhere else (the CPU
-    interpreter runs only when ``path="triton"`` asks for it).
-    """
+    """The paged-kernel path on ``device`` (for registry / CLI reports): ``auto`` is
+    Triton on CUDA when it imports, torch everywhere else (the CPU interpreter runs only
+    when ``path="triton"`` asks for it). Per call, :func:`choose_path` may also pick the
+    flash varlen kernel for a prefill."""
     if path == "torch":
         return "torch"
     reason = triton_unavailable_reason(device)
