@@ -24,7 +24,8 @@ from _timing import host_us  # noqa: E402
 from vllm.attention import KVQuant  # noqa: E402
 from vllm.attention.types import KVCacheLayout  # noqa: E402
 from vllm.attention.writers import SplitKVCacheWriter  # noqa: E402
-from vllm.attention.writers.kernels import launch as tw  # noqa: E402
+from vllm.attention.writers import kernels as tw  # noqa: E402
+from vllm.attention.writers.kernels import cached  # noqa: E402
 from vllm.attention.writers.launch_cache import write_signature  # noqa: E402
 
 
@@ -91,8 +92,8 @@ def main() -> int:
         "CachedLaunch(live)": lambda: run(live),
         "bound launch(live)": lambda: bound(live),
         "torch._C._cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
-        "Triton's launch hooks read": lambda: (tw._runtime_knobs().launch_enter_hook,
-                                               tw._runtime_knobs().launch_exit_hook),
+        "Triton's launch hooks read": lambda: (cached._runtime_knobs().launch_enter_hook,
+                                               cached._runtime_knobs().launch_exit_hook),
         "key.data_ptr()": key.data_ptr,
         "(shape, stride(), dtype, device) of key": lambda: (key.shape, key.stride(), key.dtype,
                                                            key.device),

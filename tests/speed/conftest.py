@@ -22,8 +22,8 @@ def rope_tokens_per_program(request: pytest.FixtureRequest,
     """The fused RoPE kernel at one token a program (what small batches launch) and at
     two tokens a program from the first row on (what ``rope_geometry`` gives most large
     batches; the small test batches then end in a partial tile)."""
-    from vllm.attention.writers.kernels import launch as tw
+    from vllm.attention.writers.kernels import rope
 
     if request.param == "several":
-        monkeypatch.setattr(tw, "rope_geometry", lambda rows, mode, tile: (2, 4))
+        monkeypatch.setattr(rope, "rope_geometry", lambda rows, mode, tile: (2, 4))
     return str(request.param)

@@ -25,7 +25,8 @@ from vllm.attention.layouts import split_kv_views
 from vllm.attention.rope import RoPE, rotate_reference
 from vllm.attention.types import KVCacheLayout
 from vllm.attention.writers import MLALatentCacheWriter, SplitKVCacheWriter, reference_write
-from vllm.attention.writers.kernels import launch as tw
+from vllm.attention.writers import kernels as tw
+from vllm.attention.writers.kernels import scatter
 from vllm.forward_context import set_forward_context
 
 pytestmark = [pytest.mark.gpu,
@@ -253,15 +254,15 @@ def test_tiled_hardware_fp8_equals_reference_on_edges(cache_dtype: str) -> None:
     fp8 = torch.float8_e4m3fn if cache_dtype == "fp8_e4m3" else torch.float8_e5m2
     quant = KVQuant(cache_dtype, torch.ones(1, device=DEV), torch.ones(1, device=DEV))  # type: ignore[arg-type]
     for min_tokens in (1, 10**9):  # several tokens per program, and one
-        tw_min = tw.TILED_MIN_TOKENS
-        tw.TILED_MIN_TOKENS = min_tokens
+        tw_min = scatter.TILED_MIN_TOKENS
+        scatter.TILED_MIN_TOKENS = min_tokens
         try:
             got = torch.zeros(rows, 2, 1, 1, d, dtype=fp8, device=DEV)
             want = got.clone()
             SplitKVCacheWriter(L.SPLIT_NHD).write(key, key, got, slots, quant, path="triton")
             reference_write(L.SPLIT_NHD, key, key, want, slots, quant)
         finally:
-            tw.TILED_MIN_TOKENS = tw_min
+            scatter.TILED_MIN_TOKENS = tw_min
         assert torch.equal(raw(got), raw(want))
 
 

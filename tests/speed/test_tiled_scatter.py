@@ -13,7 +13,8 @@ from tests.helpers import every_16_bit_pattern, fill_random_bytes, raw
 from vllm.attention import KVQuant
 from vllm.attention.types import KVCacheLayout
 from vllm.attention.writers import MLALatentCacheWriter, SplitKVCacheWriter, reference_write
-from vllm.attention.writers.kernels import launch as tw
+from vllm.attention.writers import kernels as tw
+from vllm.attention.writers.kernels import scatter
 
 L = KVCacheLayout
 pytestmark = pytest.mark.skipif(not tw.triton_importable(),
@@ -30,7 +31,7 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     if request.param == "generic":
         monkeypatch.setenv("VLLM_KV_SCATTER_KERNEL", "generic")
     else:
-        monkeypatch.setattr(tw, "TILED_MIN_TOKENS", 1)  # several tokens per program
+        monkeypatch.setattr(scatter, "TILED_MIN_TOKENS", 1)  # several tokens per program
     return str(request.param)
 
 
@@ -149,7 +150,7 @@ def test_scalar_scale_every_bf16_pattern(monkeypatch: pytest.MonkeyPatch) -> Non
     (divided), byte for byte with the reference. A quotient multiplied where it must be
     divided rounds differently for some inputs at 7.0 (the GPU test does every scale of
     ``tests/writers/test_writers_gpu.py``)."""
-    monkeypatch.setattr(tw, "TILED_MIN_TOKENS", 1)  # several tokens per program: faster here
+    monkeypatch.setattr(scatter, "TILED_MIN_TOKENS", 1)  # several tokens per program: faster here
     cache_dtype = "fp8_e4m3"
     x = every_16_bit_pattern(torch.bfloat16, 4)
     value = x.flip(0).contiguous()

@@ -248,10 +248,10 @@ def test_mla_fp8_write_is_byte_identical_exhaustively(tokens_per_program: str,
     reference's bytes: every bf16 pattern spread over the 512 latent and 64 rope values
     of 114 tokens, against every scale of the split test, one and several tokens a
     program, with FAST_DIV on and off."""
-    from vllm.attention.writers.kernels import launch as tw
+    from vllm.attention.writers.kernels import scatter
 
     if tokens_per_program == "several":
-        monkeypatch.setattr(tw, "TILED_MIN_TOKENS", 1)
+        monkeypatch.setattr(scatter, "TILED_MIN_TOKENS", 1)
     gen = torch.Generator().manual_seed(11)
     x = every_16_bit_pattern(torch.bfloat16, 1).reshape(-1)
     n = -(-x.numel() // 576)

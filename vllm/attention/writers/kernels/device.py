@@ -1,0 +1,113 @@
+"""Which hardware paths the compiled writer kernels take on a device.
+
+Every launcher asks here: the hardware fp8 conversion (``HW_CVT``), its NaN byte
+(``HW_NAN``), the Markstein quotient (``FAST_DIV``), the reciprocal without a range
+check (``FAST_RCP``) and the packed bf16 conversions (``PACKED_WIDEN``) are each a
+launch constant decided by the functions below. The interpreter (CPU tensors)
+never takes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+import torch
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """``device``'s compute capability (the current device's for a bare ``cuda``); None
+    off CUDA."""
+    if device.type != "cuda":
+        return None
+    index: int | None = device.index
+    return _capability(torch.cuda.current_device() if index is None else index)
+
+
+def hardware_fp8(device: torch.device) -> bool:
+    """Whether the compiled kernels convert to fp8 in hardware here (sm_89+: Ada, Hopper,
+    Blackwell); the interpreter and older GPUs round in integer code."""
+    cap = _cuda_capability(device)
+    return cap is not None and cap >= (8, 9)
+
+
+def fast_division(device: torch.device) -> bool:
+    """Whether the fp8 writers (tiled scatter, fused RoPE) divide by a scale of moderate
+    size that is not a power of two (``_scale_kind`` 1) with one reciprocal per head and
+    a Markstein FMA correction (``FAST_DIV``) instead of an IEEE division per element:
+    compiled CUDA kernels only (the interpreter has no true FMA); on unless
+    ``VLLM_KV_FAST_DIV=0``. It stores the division's fp8 bytes: checked on CPU with an
+    exact FMA and on the H200 for every bf16/fp16 input against 79 scales
+    (``test_fast_division_is_byte_identical_exhaustively``); split fp8 at scale 0.37
+    reaches 0.98 x the copy ceiling there (``docs/performance.md``)."""
+    if device.type != "cuda":
+        return False
+    return os.environ.get("VLLM_KV_FAST_DIV", "1") != "0"
+
+
+_HW_NAN_CANONICAL: Final = frozenset({(9, 0)})
+"""Compute capabilities whose fp8 conversion (``cvt.rn.satfinite.{e4m3,e5m2}x2.f32``)
+was seen to store every NaN, whatever its sign and payload, as 0x7F (the reference's
+byte): probed on the H200 (``tests/writers/test_writers_gpu.py`` checks it, and the
+exhaustive byte test stores every bf16/fp16 NaN through it). Elsewhere the kernels keep
+their select."""
+
+
+def hardware_fp8_nan(device: torch.device) -> bool:
+    """Whether the hardware fp8 conversion here stores every NaN as 0x7F by itself
+    (``HW_NAN``: the kernels then store the converted bytes without a select);
+    ``VLLM_KV_HW_NAN=0`` / ``1`` overrides (for A/B measurements and the GPU probe)."""
+    if not hardware_fp8(device):
+        return False
+    env = os.environ.get("VLLM_KV_HW_NAN", "")
+    if env in ("0", "1"):
+        return env == "1"
+    return _cuda_capability(device) in _HW_NAN_CANONICAL
+
+
+TRITON_DEFAULT_WARPS: Final = 4
+"""``num_warps`` of a launch that sets none (the tiled scatter)."""
+
+
+def input_tiles(kernel: str, consts: Mapping[str, int | bool]) -> list[int]:
+    """Element counts of the tiles of input rows one program of ``kernel``
+    (``scatter_kv_tiled_kernel`` or ``rope_kv_kernel``) holds, from its constexprs."""
+    t = int(consts.get("BLOCK_T", 1))
+    if kernel == "rope_kv_kernel":
+        dims = ["BLOCK_R", "BLOCK_DV"] + (["BLOCK_PK"] if consts["PASS_K"] else [])
+        return [t * int(consts["BLOCK_HK"]) * int(consts[d]) for d in dims]
+    return [t * int(consts["BLOCK_H"]) * int(consts[d]) for d in ("BLOCK_DK", "BLOCK_DV")]
+
+
+def pairs_fit(tiles: Iterable[int], num_warps: int) -> bool:
+    """Whether every thread holds an even number of elements of each of ``tiles`` (their
+    element counts, powers of two), which the kernels' two-element inline PTX
+    (``PACKED_WIDEN``: ``_widen_bf16_pairs``, ``_round_to_bf16_pairs``) requires.
+    Triton spreads a power-of-two tile over the ``32 * num_warps`` threads without
+    repeating an element once it has at least that many, so twice that many is enough;
+    smaller tiles (a few heads of a few dimensions) take the one-element code."""
+    return all(t >= 64 * num_warps for t in tiles)
+
+
+def packed_widen(kernel: str, consts: Mapping[str, int | bool], num_warps: int) -> bool:
+    """``PACKED_WIDEN`` of a ``kernel`` launch with these constexprs at ``num_warps``:
+    hardware conversions (``HW_CVT``) and tiles that fit :func:`pairs_fit`."""
+    return bool(consts.get("HW_CVT")) and pairs_fit(input_tiles(kernel, consts), num_warps)
+
+
+def fp8_consts(mode: int, device: torch.device) -> dict[str, int | bool]:
+    """The fp8 constexprs shared by the tiled scatter and the fused RoPE kernel (the
+    launches add ``PACKED_WIDEN``, :func:`packed_widen`, once their tiles are known)."""
+    hw = mode != 0 and hardware_fp8(device)
+    return {"HW_CVT": hw,
+            "FAST_DIV": mode != 0 and fast_division(device),
+            "HW_NAN": mode != 0 and hardware_fp8_nan(device),
+            "FAST_RCP": hw}
