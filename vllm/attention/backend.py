@@ -426,6 +426,9 @@ _NORMALISERS: Final[Mapping[str, Callable[[object], object]]] = MappingProxyType
 """Every declaration of :class:`AttentionBackend`, with the function that checks it and
 turns an unambiguous spelling into the declared type (``docs/writing_a_backend.md``)."""
 
+DECLARATIONS: Final[tuple[str, ...]] = tuple(_NORMALISERS)
+"""The names of :class:`AttentionBackend`'s declarations, in the order it declares them."""
+
 REQUIRED_DECLARATIONS: Final[tuple[str, ...]] = ("name", "kv_cache_layout")
 """Declarations without a default: every concrete backend sets them."""
 
