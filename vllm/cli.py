@@ -1,8 +1,8 @@
 """``vllm-attn``: list backends, run the conformance kit, serve tokens.
 
-``vllm-attn backends``        the registry as a table (status, layout, paths, why not)
-``vllm-attn check [NAME ...]`` the conformance kit; exit 1 on any failure
-``vllm-attn generate ...``     serve tokens through the paged-KV runner
+  vllm-attn backends           the registry as a table (status, layout, paths, why not)
+  vllm-attn check [NAME ...]   the conformance kit; exit 1 on any failure
+  vllm-attn generate ...       serve tokens through the paged-KV runner
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="vllm-attn", description=__doc__,
+    parser = _Parser(prog="vllm-attn", description=(__doc__ or "").replace("``", ""),
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("backends", help="list registered backends and what runs here")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import torch
 from shim import LegacyBackendWarning
 from tests.runner.conftest import MAX_NEW, PROMPTS, HFCheckpoint
 from vllm.cli import main
+from vllm.runner.cli import ProgressBar
 
 ROOT = Path(__file__).resolve().parents[2]
 FUSED = "tests.legacy_backends.fused:FusedLegacyBackend"
@@ -67,8 +69,8 @@ def test_text_prompt_through_tokenizer_json(hf_llama: HFCheckpoint,
     code, out, err = _run(capsys, "--model", str(hf_llama.path), "--backend", "TORCH_REF",
                           "--prompt", "w5 w17 w33 w9", "--max-tokens", str(MAX_NEW))
     assert code == 0, err
-    want = " ".join(f"w{t}" if t > 2 else "" for t in hf_llama.expected(PROMPTS[:1])[0])
-    assert out.split() == want.split()
+    want = " ".join(f"w{t}" for t in hf_llama.expected(PROMPTS[:1])[0] if t > 2)
+    assert out == f"Prompt: 'w5 w17 w33 w9', Generated text: {want!r}\n"
 
 
 def test_out_of_tree_module_class_backend(hf_llama: HFCheckpoint,
@@ -88,7 +90,8 @@ def test_prompt_text_needs_a_tokenizer(tmp_path: Path, hf_llama: HFCheckpoint,
     for f in ("config.json", "model.safetensors"):
         (tmp_path / f).write_bytes((hf_llama.path / f).read_bytes())
     code, out, err = _run(capsys, "--model", str(tmp_path), "--prompt", "w5")
-    assert code == 2 and "--prompt: got 'w5', expected --prompt-token-ids" in err
+    assert code == 2 and err == (f"vllm-attn generate: error: --prompt: got 'w5', expected "
+                                 f"--prompt-token-ids: {tmp_path} has no tokenizer.json\n")
     code, out, err = _run(capsys, "--model", str(tmp_path), "--prompt-token-ids", "5,6",
                           "--max-tokens", "2", "--output", "json")
     assert code == 0 and json.loads(out)["outputs"][0]["text"] is None
@@ -131,7 +134,7 @@ def test_legacy_warning_once_in_a_real_process(hf_llama: HFCheckpoint) -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("LegacyBackendWarning") == 1, proc.stderr
     assert proc.stderr.count("deprecations: 1 adapted legacy backend") == 1
-    assert len(proc.stdout.splitlines()) == len(PROMPTS)
+    assert len(proc.stdout.splitlines()) == len(PROMPTS)  # one line a request
 
 
 @pytest.mark.usefixtures("isolated_legacy_warnings")
@@ -268,3 +271,95 @@ def test_malformed_config_json(tmp_path: Path, text: str, match: str,
     assert err.startswith(f"vllm-attn generate: error: {tmp_path / 'config.json'}: "), err
     assert re.search(match, err), err
     assert len(err.splitlines()) == 1
+
+
+# -- what generate shows -----------------------------------------------------------------
+def test_default_run_shows_the_built_in_prompt_and_says_the_model_is_random(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "--max-tokens", "4", "--device", "cpu")
+    assert code == 0, err
+    assert out.startswith("Prompt: 'Hello, my name is', Generated text: '")
+    assert len(out.splitlines()) == 1  # quoted: whatever bytes come out stay on the line
+    assert "note: the seeded random llama model: its weights are random" in err
+
+
+def test_token_id_output_without_a_tokenizer_is_labelled(
+        tmp_path: Path, hf_llama: HFCheckpoint, capsys: pytest.CaptureFixture[str]) -> None:
+    for f in ("config.json", "model.safetensors"):
+        (tmp_path / f).write_bytes((hf_llama.path / f).read_bytes())
+    code, out, err = _run(capsys, "--model", str(tmp_path), "--prompt-token-ids", "5,17,33,9",
+                          "--max-tokens", "3")
+    assert code == 0, err
+    want = hf_llama.expected(PROMPTS[:1])[0][:3]
+    assert out == f"Prompt token ids: [5, 17, 33, 9], Generated token ids: {want}\n"
+
+
+@pytest.mark.parametrize("setup, why", [
+    ("missing", "{dir} has no tokenizer.json"),
+    ("sentencepiece", "{dir} has no tokenizer.json (its tokenizer.model is a SentencePiece "
+                      "file, which the runner does not read)"),
+    ("broken", "{dir}/tokenizer.json could not be read by the 'tokenizers' package: "),
+    ("no_package", "reading tokenizer.json needs the 'tokenizers' package, which is not "
+                   "installed"),
+])
+def test_tokenizer_error_says_what_is_wrong(setup: str, why: str, tmp_path: Path,
+                                            hf_llama: HFCheckpoint,
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    for f in ("config.json", "model.safetensors"):
+        (tmp_path / f).write_bytes((hf_llama.path / f).read_bytes())
+    if setup == "sentencepiece":
+        (tmp_path / "tokenizer.model").write_bytes(b"\x00")
+    elif setup == "broken":
+        (tmp_path / "tokenizer.json").write_text('{"model": 3}')
+    elif setup == "no_package":
+        (tmp_path / "tokenizer.json").write_text((hf_llama.path / "tokenizer.json").read_text())
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: None if name == "tokenizers" else real(name, *a))
+    code, out, err = _run(capsys, "--model", str(tmp_path), "--prompt", "w5")
+    assert code == 2 and out == ""
+    assert err.startswith("vllm-attn generate: error: --prompt: got 'w5', expected "
+                          "--prompt-token-ids: " + why.format(dir=tmp_path)), err
+    assert "pip install" not in err or setup == "no_package"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["check", "--help"],
+                                  ["backends", "--help"]])
+def test_help_has_no_rst_markup(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and out.startswith("usage: vllm-attn")
+    assert "``" not in out
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_fills_with_tokens_not_finished_requests() -> None:
+    """One request of 16 tokens: the bar moves with every token, not only at the end."""
+    stream = _Terminal()
+    bar = ProgressBar(16, stream, enabled=True)
+    drawn = []
+    for tokens in range(1, 17):
+        bar._last = 0.0  # every step drawn (the bar redraws at most every 0.1 s)
+        bar.update(0 if tokens < 16 else 1, 1, tokens)
+        drawn.append(stream.getvalue().rsplit("\r", 1)[-1])
+    assert drawn[7].startswith("generate [" + "#" * 12 + "." * 12 + "] 8/16 tokens, 0/1 requests")
+    assert drawn[-1].startswith("generate [" + "#" * 24 + "] 16/16 tokens, 1/1 requests")
+    assert len({line.split("]")[0] for line in drawn}) > 8  # it moved as tokens came
+
+
+def test_progress_bar_full_when_requests_end_early() -> None:
+    stream = io.StringIO()  # not a terminal: drawn once, at close
+    bar = ProgressBar(32, stream, enabled=True)
+    bar.update(0, 2, 3)
+    bar.update(2, 2, 5)  # both stopped at EOS
+    assert stream.getvalue() == ""
+    bar.close()
+    assert stream.getvalue().startswith("generate [" + "#" * 24 + "] 5/32 tokens, 2/2 requests")

@@ -35,11 +35,12 @@ def _token_ids(text: str) -> list[int]:
 
 
 class ProgressBar:
-    """A one-line bar on ``stream``: redrawn in place on a terminal, drawn once at
-    the end otherwise (so logs hold one line, not hundreds)."""
+    """A one-line bar on ``stream`` that fills as tokens are generated (out of the most
+    the requests can produce): redrawn in place on a terminal, drawn once at the end
+    otherwise (so logs hold one line, not hundreds)."""
 
-    def __init__(self, total: int, stream: TextIO, enabled: bool) -> None:
-        self.total = total
+    def __init__(self, max_tokens: int, stream: TextIO, enabled: bool) -> None:
+        self.max_tokens = max_tokens
         self.stream = stream
         self.enabled = enabled
         self.live = enabled and stream.isatty()
@@ -48,13 +49,17 @@ class ProgressBar:
         self._line = ""
 
     def update(self, done: int, total: int, tokens: int) -> None:
+        """After a step: ``done`` of ``total`` requests finished, ``tokens`` generated."""
         if not self.enabled:
             return
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         width = 24
-        fill = int(width * done / max(total, 1))
-        self._line = (f"generate [{'#' * fill}{'.' * (width - fill)}] {done}/{total} requests, "
-                      f"{tokens} tokens, {tokens / elapsed:.1f} tok/s")
+        # requests stopping early (EOS) leave tokens unused: full once all are done
+        share = 1.0 if done == total else tokens / max(self.max_tokens, 1)
+        fill = min(int(width * share), width)
+        self._line = (f"generate [{'#' * fill}{'.' * (width - fill)}] "
+                      f"{tokens}/{self.max_tokens} tokens, {done}/{total} requests, "
+                      f"{tokens / elapsed:.1f} tok/s")
         now = time.perf_counter()
         if self.live and (now - self._last > 0.1 or done == total):
             self.stream.write("\r" + self._line)
@@ -67,17 +72,32 @@ class ProgressBar:
             self.stream.flush()
 
 
+BUILT_IN_PROMPT = "Hello, my name is"
+
+
 def _prompts(args: argparse.Namespace, engine: LLMEngine) -> list[list[int]]:
     if args.prompt_token_ids:
         return [_token_ids(t) for t in args.prompt_token_ids]
-    texts: list[str] = args.prompt or ["Hello, my name is"]
+    texts: list[str] = args.prompt or [BUILT_IN_PROMPT]
     if engine.tokenizer is None:
+        flag = "--prompt" if args.prompt else "the built-in prompt"
         raise InvalidArgumentError(
-            "--prompt", texts[0], "--prompt-token-ids: this checkpoint has no tokenizer.json "
-            "readable here (it needs the 'tokenizers' package: pip install "
-            "'vllm-kv-writer[runner]')",
-        )
+            flag, texts[0], f"--prompt-token-ids: {engine.no_tokenizer or 'no tokenizer'}")
     return [engine.tokenizer.encode(t) for t in texts]
+
+
+def _max_new_tokens(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> int:
+    return sum(max(min(max_tokens, engine.max_model_len - len(p)), 0) for p in prompts)
+
+
+def _text_line(engine: LLMEngine, output: RequestOutput) -> str:
+    """One line a request: its prompt and what was generated, quoted (so control
+    characters and newlines of the text stay visible and on the line)."""
+    if output.text is None or engine.tokenizer is None:
+        return (f"Prompt token ids: {output.prompt_token_ids}, "
+                f"Generated token ids: {output.token_ids}")
+    prompt = engine.tokenizer.decode(output.prompt_token_ids)
+    return f"Prompt: {prompt!r}, Generated text: {output.text!r}"
 
 
 def _json_result(engine: LLMEngine, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -137,7 +157,8 @@ def _generate(args: argparse.Namespace) -> int:
                                 top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
         prompts = _prompts(args, engine)
         show = parallel.is_driver
-        bar = ProgressBar(len(prompts), sys.stderr, enabled=show and not args.no_progress)
+        bar = ProgressBar(_max_new_tokens(engine, prompts, args.max_tokens), sys.stderr,
+                          enabled=show and not args.no_progress)
         outputs = engine.generate(prompts, params, on_step=bar.update)
         bar.close()
         if show:
@@ -145,8 +166,7 @@ def _generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(json.dumps(_json_result(engine, outputs)) + "\n")
             else:
                 for o in outputs:
-                    text = o.text if o.text is not None else ",".join(map(str, o.token_ids))
-                    sys.stdout.write(f"{text}\n")
+                    sys.stdout.write(_text_line(engine, o) + "\n")
             sys.stdout.flush()
             _report(engine, sys.stderr)
         return 0
@@ -175,7 +195,8 @@ def add_generate_parser(sub: argparse._SubParsersAction[_Parser], *,
     ``--device`` (an absent device is a usage error)."""
     p = sub.add_parser(
         "generate", help="serve prompts through the paged-KV runner",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(__doc__ or "").replace("``", ""),  # RST markup, not shell text
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default=None, metavar="DIR",
                    help="Hugging Face checkpoint directory (config.json + *.safetensors), or "
@@ -186,7 +207,7 @@ def add_generate_parser(sub: argparse._SubParsersAction[_Parser], *,
                         "(default: the first that can serve the model here)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",
-                     help="a text prompt (repeat for several)")
+                     help=f"a text prompt (repeat for several; default: {BUILT_IN_PROMPT!r})")
     src.add_argument("--prompt-token-ids", action="append", metavar="IDS",
                      help="comma-separated token ids (repeat for several prompts)")
     p.add_argument("--max-tokens", type=_positive, default=16)

@@ -134,7 +134,8 @@ class LLMEngine:
     def __init__(self, model: DecoderModel, choice: BackendChoice, *, config: ModelConfig,
                  engine_config: EngineConfig, parallel: ParallelState, device: torch.device,
                  kv_connector: KVConnector | None = None,
-                 tokenizer: TextTokenizer | None = None, notes: Sequence[str] = ()) -> None:
+                 tokenizer: TextTokenizer | None = None, notes: Sequence[str] = (),
+                 no_tokenizer: str | None = None) -> None:
         self.model = model
         self.choice = choice
         self.config = config
@@ -143,6 +144,8 @@ class LLMEngine:
         self.device = device
         self.kv_connector = kv_connector
         self.tokenizer = tokenizer
+        self.no_tokenizer = no_tokenizer
+        """Why :attr:`tokenizer` is None (for the error a text prompt gets)."""
         self.notes = list(notes) + ([choice.note] if choice.note else [])
         self.max_model_len = min(engine_config.max_model_len or 4096,
                                  config.max_position_embeddings)
@@ -201,9 +204,13 @@ class LLMEngine:
                                  f"drawn from seed {model_seed}")
             net.finalize()
         net.eval()
-        tokenizer = load_tokenizer(path)
+        tokenizer, no_tokenizer = load_tokenizer(path)
+        if path is None:
+            notes.append(f"the seeded random {config.architecture} model: its weights are "
+                         "random, so its text is noise; --model DIR serves a checkpoint")
         return cls(net, choice, config=config, engine_config=ecfg, parallel=par, device=dev,
-                   kv_connector=kv_connector, tokenizer=tokenizer, notes=notes)
+                   kv_connector=kv_connector, tokenizer=tokenizer, notes=notes,
+                   no_tokenizer=no_tokenizer)
 
     def _cache_bytes_per_block(self) -> int:
         total = 0

@@ -66,12 +66,23 @@ class ByteTokenizer:
         return "".join(out)
 
 
-def load_tokenizer(model_dir: Path | None) -> TextTokenizer | None:
-    """The checkpoint's tokenizer, the byte tokenizer for the random model, or None
-    (no ``tokenizer.json``, or the ``tokenizers`` package missing: token ids only)."""
+def load_tokenizer(model_dir: Path | None) -> tuple[TextTokenizer | None, str | None]:
+    """``(tokenizer, None)``: the checkpoint's, or the byte tokenizer for the random
+    model; ``(None, why)`` when there is none to use here (token ids still work, and
+    ``why`` says what is missing: the file, the package, or what went wrong reading it)."""
     if model_dir is None:
-        return ByteTokenizer()
+        return ByteTokenizer(), None
     path = model_dir / "tokenizer.json"
-    if not path.is_file() or importlib.util.find_spec("tokenizers") is None:
-        return None  # token ids still work; --prompt explains what is missing
-    return HFTokenizer(path)
+    if not path.is_file():
+        why = f"{model_dir} has no tokenizer.json"
+        if (model_dir / "tokenizer.model").is_file():
+            why += " (its tokenizer.model is a SentencePiece file, which the runner does not read)"
+        return None, why
+    if importlib.util.find_spec("tokenizers") is None:
+        return None, ("reading tokenizer.json needs the 'tokenizers' package, which is not "
+                      "installed (pip install 'vllm-kv-writer[runner]')")
+    try:
+        return HFTokenizer(path), None
+    except Exception as exc:  # the Rust library's errors have no common Python class
+        first = next(iter(str(exc).strip().splitlines()), type(exc).__name__)
+        return None, f"{path} could not be read by the 'tokenizers' package: {first}"
