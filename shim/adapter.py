@@ -10,8 +10,14 @@ Two legacy generations (``docs/architecture.md``, ``migration_guide.md``):
   ``impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)``, which
   becomes the adapted writer.
 
-Both get the layer's slot mapping copied from the ForwardContext into the legacy
-metadata before the legacy ``forward`` runs.
+A legacy backend is called with upstream's conventions (``shim.upstream``): the impl
+is built with upstream's positional arguments, the builder as ``(kv_cache_spec,
+layer_names, vllm_config, device)`` and called as ``build(common_prefix_len,
+common_attn_metadata)``, the impl's ``forward`` and ``do_kv_cache_update`` get the
+legacy view of the layer (``layer._k_scale``, ``layer._k_scale_float``, ...), and the
+layer's slot mapping is copied from the ForwardContext into the legacy metadata right
+before the legacy ``forward`` runs. This package's earlier legacy examples (a builder
+taking only ``device``) keep working.
 """
 
 from __future__ import annotations
@@ -19,16 +25,32 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import functools
+import inspect
+import math
 import threading
 import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from typing_extensions import TypeGuard
 
-from shim.legacy import LegacyCommonAttentionMetadata
-from shim.warnings import warn_once
+from shim.upstream.backend import AttentionBackend as UpstreamBackend
+from shim.upstream.backend import CommonAttentionMetadata as LegacyCommon
+from shim.upstream.backend import MLAAttentionImpl  # type: ignore[deprecated]
+from shim.upstream.config import (
+    CacheConfig,
+    CompilationConfig,
+    ModelConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from shim.upstream.kv_cache_interface import FullAttentionSpec
+from shim.upstream.layer import Attention as LegacyLayer
+from shim.upstream.platform import DeviceCapability
+from shim.warnings import Location, caller_location, warn_once
 from vllm.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -38,21 +60,27 @@ from vllm.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
     SizeSpec,
-    common_fields,
+    exactly,
 )
-from vllm.attention.errors import AttentionError, LegacyBackendError
+from vllm.attention.errors import (
+    AttentionError,
+    LegacyBackendError,
+    UnsupportedBackendError,
+)
 from vllm.attention.types import (
+    KV_CACHE_DTYPES,
+    UNQUANTISED_SPELLINGS,
+    AttentionType,
     KVCacheDType,
     KVCacheLayout,
     KVQuant,
-    parse_kv_cache_dtype,
 )
 from vllm.attention.writer import KVCacheWriter
 from vllm.attention.writers import writer_for_layout
 from vllm.forward_context import get_forward_context
 
-_REQUIRED = ("get_name", "get_impl_cls", "get_metadata_cls", "get_builder_cls",
-             "get_kv_cache_shape")
+_REQUIRED = ("get_name", "get_impl_cls", "get_builder_cls", "get_kv_cache_shape")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class LegacyGeneration(enum.Enum):
@@ -67,12 +95,23 @@ class LegacyBackendRuntimeError(AttentionError, RuntimeError):
 
 
 def is_legacy_backend(obj: object) -> TypeGuard[type]:
-    """A class with the legacy classmethods that is not a new-style backend."""
-    return (
-        isinstance(obj, type)
-        and not issubclass(obj, AttentionBackend)
-        and all(callable(getattr(obj, m, None)) for m in _REQUIRED)
-    )
+    """A class of the legacy surface (a subclass of its ``AttentionBackend``), or one with
+    the legacy classmethods, that is not a new-style backend."""
+    if not isinstance(obj, type) or issubclass(obj, AttentionBackend):
+        return False
+    return issubclass(obj, UpstreamBackend) or all(
+        callable(getattr(obj, m, None)) for m in _REQUIRED)
+
+
+def _refuse_mla(cls: type) -> None:
+    is_mla = getattr(cls, "is_mla", None)
+    impl_cls = cls.get_impl_cls()  # type: ignore[attr-defined]
+    if (callable(is_mla) and is_mla() is True) or (
+            isinstance(impl_cls, type) and issubclass(impl_cls, MLAAttentionImpl)):
+        raise LegacyBackendError(
+            f"{cls.__qualname__} is a legacy MLA backend (forward_mha / forward_mqa): the "
+            "adapter runs standard attention backends only. Migrate it onto "
+            "vllm.attention's MLA bases (see docs/mla.md and migration_guide.md).")
 
 
 def legacy_generation(cls: type) -> LegacyGeneration:
@@ -105,6 +144,17 @@ def legacy_generation(cls: type) -> LegacyGeneration:
 _PROBE = (7, 16, 3, 8)  # nb, bs, H, D: distinct values so the shape tells the layout
 
 
+def _stride_order(cls: type) -> tuple[int, ...] | None:
+    """The legacy stride order, or None where the class leaves it to the default."""
+    get_order = getattr(cls, "get_kv_cache_stride_order", None)
+    if not callable(get_order):
+        return None
+    try:
+        return tuple(int(i) for i in get_order())
+    except NotImplementedError:  # upstream's default: the physical order is the logical one
+        return None
+
+
 def infer_layout(cls: type) -> KVCacheLayout:
     """The cache layout a legacy backend's shape and stride order imply.
 
@@ -115,8 +165,7 @@ def infer_layout(cls: type) -> KVCacheLayout:
         return declared
     nb, bs, h, d = _PROBE
     shape = tuple(cls.get_kv_cache_shape(nb, bs, h, d))  # type: ignore[attr-defined]
-    get_order = getattr(cls, "get_kv_cache_stride_order", None)
-    order = tuple(get_order()) if callable(get_order) else tuple(range(len(shape)))
+    order = _stride_order(cls) or tuple(range(len(shape)))
     known: dict[tuple[tuple[int, ...], tuple[int, ...]], KVCacheLayout] = {
         ((nb, 2, bs, h, d), (0, 1, 2, 3, 4)): KVCacheLayout.SPLIT_NHD,
         ((nb, 2, bs, h, d), (0, 1, 3, 2, 4)): KVCacheLayout.SPLIT_HND,
@@ -134,34 +183,184 @@ def infer_layout(cls: type) -> KVCacheLayout:
     return layout
 
 
-@dataclass(frozen=True)
+# -- capabilities, read as upstream reads them -----------------------------------------
+
+
+def _probe_sizes(admits: Callable[[int], bool], limit: int) -> SizeSpec:
+    """A SizeSpec of the sizes in ``1..limit`` a legacy predicate admits: ``multiple_of``
+    when they are all multiples of their smallest in a range (open-ended if the range
+    reaches ``limit``), else the exact set."""
+    sizes = [n for n in range(1, limit + 1) if admits(n)]
+    if not sizes:
+        return exactly(*())
+    low, high = sizes[0], sizes[-1]
+    step = math.gcd(*sizes)
+    if sizes == list(range(low, high + 1, step)) and low % step == 0 and len(sizes) > 2:
+        return SizeSpec(multiple_of=step, min=low, max=None if high == limit else high)
+    return exactly(*sizes)
+
+
+def _call(cls: type, name: str, *args: object) -> Any:
+    method = getattr(cls, name, None)
+    return method(*args) if callable(method) else None
+
+
+def _head_sizes(cls: type) -> SizeSpec:
+    if callable(getattr(cls, "supports_head_size", None)):
+        return _probe_sizes(lambda n: bool(cls.supports_head_size(n)), 512)  # type: ignore[attr-defined]
+    sizes = _call(cls, "get_supported_head_sizes") or []
+    return exactly(*sizes) if sizes else SizeSpec()
+
+
+def _shape_accepts(cls: type, block_size: int) -> bool:
+    """Upstream's shapes refuse block sizes their kernels cannot page (``ValueError``)."""
+    try:
+        cls.get_kv_cache_shape(7, block_size, 3, 8)  # type: ignore[attr-defined]
+    except ValueError:
+        return False
+    return True
+
+
+def _block_sizes(cls: type) -> SizeSpec:
+    declared = getattr(cls, "supports_block_size", None)
+    if callable(declared):
+        return _probe_sizes(lambda n: bool(declared(n)) and _shape_accepts(cls, n), 1024)
+    sizes = _call(cls, "get_supported_block_sizes") or []
+    if sizes:
+        return exactly(*sizes)
+    return _probe_sizes(lambda n: _shape_accepts(cls, n), 1024)
+
+
+def _dtypes(cls: type) -> frozenset[torch.dtype]:
+    if callable(getattr(cls, "supports_dtype", None)):
+        return frozenset(d for d in _FLOAT_DTYPES if cls.supports_dtype(d))  # type: ignore[attr-defined]
+    listed = _call(cls, "get_supported_dtypes")
+    if listed is None:
+        listed = getattr(cls, "supported_dtypes", _FLOAT_DTYPES)
+    return frozenset(listed)
+
+
+_SPELLINGS = KV_CACHE_DTYPES + tuple(UNQUANTISED_SPELLINGS)
+
+
+def _cache_dtypes(cls: type, layout: KVCacheLayout) -> dict[KVCacheDType, str]:
+    """The cache formats the legacy backend declares and the adapter can write, each
+    with the spelling the legacy code itself uses for it (passed to its impl)."""
+    if callable(getattr(cls, "supports_kv_cache_dtype", None)):
+        spelled = [s for s in _SPELLINGS if cls.supports_kv_cache_dtype(s)]  # type: ignore[attr-defined]
+    else:
+        listed = _call(cls, "get_supported_kv_cache_dtypes")
+        spelled = list(listed if listed is not None
+                       else getattr(cls, "supported_kv_cache_dtypes", ("auto",)))
+    writable = set(getattr(writer_for_layout(layout), "cache_dtypes", ("auto",)))
+    found: dict[KVCacheDType, str] = {}
+    for spelling in spelled:
+        fmt = next((d for d in KV_CACHE_DTYPES if d == spelling), None)
+        if spelling in UNQUANTISED_SPELLINGS or fmt == "auto":
+            found.setdefault("auto", "auto" if fmt == "auto" else str(spelling))
+        elif fmt is not None and fmt in writable:
+            found[fmt] = fmt
+    found.setdefault("auto", "auto")
+    return found
+
+
+def _attention_types(cls: type) -> frozenset[AttentionType]:
+    if callable(getattr(cls, "supports_attn_type", None)):
+        return frozenset(t for t in AttentionType if cls.supports_attn_type(t))  # type: ignore[attr-defined]
+    return frozenset({AttentionType.DECODER})
+
+
+# -- the legacy view of each layer, and the configuration legacy code reads ---------------
+
+
+class _LiveLayers(Mapping[str, LegacyLayer]):
+    """Every adapted layer alive, by name (``static_forward_context`` of the config)."""
+
+    def __init__(self) -> None:
+        self._layers: weakref.WeakValueDictionary[str, LegacyLayer] = (
+            weakref.WeakValueDictionary())
+
+    def add(self, view: LegacyLayer) -> None:
+        self._layers[view.layer_name] = view
+
+    def __getitem__(self, name: str) -> LegacyLayer:
+        return self._layers[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._layers))
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+
+LIVE_LAYERS = _LiveLayers()
+
+
+def _same_group(view: LegacyLayer, spec: AttentionLayerSpec) -> bool:
+    s = view.layer.spec
+    return (s.num_heads, s.num_kv_heads, s.head_size, s.v_head_size, s.kv_cache_dtype,
+            s.sliding_window) == (spec.num_heads, spec.num_kv_heads, spec.head_size,
+                                  spec.v_head_size, spec.kv_cache_dtype, spec.sliding_window)
+
+
+def _vllm_config(spec: AttentionLayerSpec, spelling: str, *, block_size: int,
+                 dtype: torch.dtype) -> VllmConfig:
+    """What upstream's config would say of this layer group."""
+    model = ModelConfig(dtype=dtype, num_attention_heads=spec.num_heads,
+                        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size)
+    return VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=block_size, cache_dtype=spelling),  # type: ignore[arg-type]
+        compilation_config=CompilationConfig(static_forward_context=LIVE_LAYERS),
+    )
+
+
+def _group_cache_dtype(spec: AttentionLayerSpec) -> torch.dtype:
+    """The storage dtype of a bound cache of this group, else the default float dtype
+    (a builder built before any cache is bound)."""
+    for view in list(LIVE_LAYERS.values()):
+        cache = view.layer.kv_cache
+        if _same_group(view, spec) and cache.numel():
+            return cache.dtype
+    return torch.get_default_dtype()
+
+
+@dataclass
 class LegacyMetadataBox(AttentionMetadata):
-    """New-style metadata holding a legacy backend's own metadata object."""
+    """New-style metadata holding a legacy backend's own metadata object (one step)."""
 
     legacy: Any
+    _with_slots: tuple[torch.Tensor, Any] | None = dataclasses.field(default=None, repr=False)
 
-
-def _with_slot_mapping(legacy_meta: Any, slot_mapping: torch.Tensor) -> Any:
-    """A copy of the legacy metadata with ``slot_mapping`` set where old code reads it."""
-    if dataclasses.is_dataclass(legacy_meta) and not isinstance(legacy_meta, type):
-        return dataclasses.replace(legacy_meta, slot_mapping=slot_mapping)
-    clone = copy.copy(legacy_meta)
-    clone.slot_mapping = slot_mapping
-    return clone
+    def with_slot_mapping(self, slot_mapping: torch.Tensor) -> Any:
+        """The legacy metadata with ``slot_mapping`` where old code reads it; one copy per
+        step, shared by the layers of the group (they share the slot tensor)."""
+        held = self._with_slots
+        if held is not None and held[0] is slot_mapping:
+            return held[1]
+        meta = self.legacy
+        if hasattr(meta, "slot_mapping"):
+            if dataclasses.is_dataclass(meta) and not isinstance(meta, type):
+                meta = dataclasses.replace(meta, slot_mapping=slot_mapping)
+            else:
+                meta = copy.copy(meta)
+                meta.slot_mapping = slot_mapping
+        self._with_slots = (slot_mapping, meta)
+        return meta
 
 
 class _DoKVCacheUpdateWriter:
     """Writer of a flagged legacy backend: its impl's ``do_kv_cache_update``."""
 
-    def __init__(self, legacy_impl: Any, layer: AttentionLayerProtocol) -> None:
+    def __init__(self, legacy_impl: Any, view: LegacyLayer) -> None:
         self._impl = legacy_impl
-        self._layer = layer
+        self._view = view
 
     def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
               slot_mapping: torch.Tensor, quant: KVQuant) -> None:
         n = slot_mapping.shape[0]
         try:
-            self._impl.do_kv_cache_update(self._layer, key[:n], value[:n], kv_cache, slot_mapping)
+            self._impl.do_kv_cache_update(self._view, key[:n], value[:n], kv_cache, slot_mapping)
         except AttentionError:
             raise
         except Exception as exc:
@@ -171,25 +370,64 @@ class _DoKVCacheUpdateWriter:
             ) from exc
 
 
-def _legacy_impl_kwargs(spec: AttentionLayerSpec) -> dict[str, Any]:
-    return dict(
-        num_heads=spec.num_heads, head_size=spec.head_size, scale=spec.scale,
-        num_kv_heads=spec.num_kv_heads, alibi_slopes=None, sliding_window=spec.sliding_window,
-        kv_cache_dtype=spec.kv_cache_dtype, logits_soft_cap=spec.logits_soft_cap,
-        attn_type=spec.attn_type.value,
-        kv_sharing_target_layer_name=spec.kv_sharing_target_layer_name,
-    )
+_IMPL_PARAMS = ("num_heads", "head_size", "scale", "num_kv_heads", "alibi_slopes",
+                "sliding_window", "kv_cache_dtype", "logits_soft_cap", "attn_type",
+                "kv_sharing_target_layer_name")
+
+
+def build_legacy_impl(impl_cls: type, spec: AttentionLayerSpec, spelling: str) -> Any:
+    """The legacy impl, built as upstream's layer builds it: positional arguments in
+    upstream's order; an impl that takes them only by keyword gets keywords."""
+    args = (spec.num_heads, spec.head_size, spec.scale, spec.num_kv_heads, None,
+            spec.sliding_window, spelling, spec.logits_soft_cap, spec.attn_type,
+            spec.kv_sharing_target_layer_name)
+    try:
+        inspect.signature(impl_cls).bind(*args)
+    except TypeError:
+        return impl_cls(**dict(zip(_IMPL_PARAMS, args)))
+    except ValueError:  # no signature to read: call it as upstream does
+        pass
+    return impl_cls(*args)
 
 
 class AdaptedImplBase(AttentionImpl[LegacyMetadataBox]):
     """Runs a legacy impl's ``forward`` with the slot mapping copied in."""
 
     legacy_impl_cls: ClassVar[type]
-    legacy_backend_name: ClassVar[str]
+    legacy_backend: ClassVar[type[AdaptedBackendBase]]
 
     def __init__(self, spec: AttentionLayerSpec) -> None:
         super().__init__(spec)
-        self.legacy = self.legacy_impl_cls(**_legacy_impl_kwargs(spec))
+        backend = self.legacy_backend
+        backend.warn_first_use()
+        spelling = backend.legacy_spelling(spec.kv_cache_dtype)
+        self.spelling = spelling
+        config = _vllm_config(spec, spelling, block_size=16, dtype=torch.get_default_dtype())
+        try:
+            with set_current_vllm_config(config):
+                self.legacy = build_legacy_impl(self.legacy_impl_cls, spec, spelling)
+        except NotImplementedError as exc:
+            raise UnsupportedBackendError(
+                f"{backend.name} cannot run this layer: its impl raised NotImplementedError: "
+                f"{exc}") from exc
+        except AttentionError:
+            raise
+        except Exception as exc:
+            raise LegacyBackendRuntimeError(
+                f"legacy backend {backend.name!r} raised building its impl: "
+                f"{type(exc).__name__}: {exc}") from exc
+        self._view: LegacyLayer | None = None
+        self._weights_processed = False
+
+    def view_of(self, layer: AttentionLayerProtocol) -> LegacyLayer:
+        """The legacy view of ``layer`` handed to the legacy impl (one per layer)."""
+        view = self._view
+        if view is None or view.layer is not layer:
+            view = LegacyLayer(layer, self.legacy, self.legacy_backend.legacy_cls,  # type: ignore[arg-type]
+                               self.spelling)
+            self._view = view
+            LIVE_LAYERS.add(view)
+        return view
 
     def forward(
         self,
@@ -201,45 +439,135 @@ class AdaptedImplBase(AttentionImpl[LegacyMetadataBox]):
         attn_metadata: LegacyMetadataBox,
         output: torch.Tensor,
     ) -> torch.Tensor:
+        view = self.view_of(layer)
+        if not self._weights_processed:  # upstream calls it once, after loading weights
+            self._weights_processed = True
+            process = getattr(self.legacy, "process_weights_after_loading", None)
+            if callable(process):
+                process(query.dtype)
         slots = get_forward_context().slot_mapping_for(layer.layer_name)
-        legacy_meta = _with_slot_mapping(attn_metadata.legacy, slots)
+        legacy_meta = attn_metadata.with_slot_mapping(slots)
         try:
-            result: torch.Tensor = self.legacy.forward(
-                layer, query, key, value, kv_cache, legacy_meta, output
-            )
+            if self.legacy_backend.accept_output_buffer:
+                result = self.legacy.forward(view, query, key, value, kv_cache, legacy_meta,
+                                             output)
+            else:
+                result = self.legacy.forward(view, query, key, value, kv_cache, legacy_meta)
         except AttentionError:
             raise
         except Exception as exc:
             raise LegacyBackendRuntimeError(
-                f"legacy backend {self.legacy_backend_name!r} raised in forward(): "
+                f"legacy backend {self.legacy_backend.name!r} raised in forward(): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        return result
+        if result is not output:
+            self._copy_result(result, output)
+        return output
+
+    def _copy_result(self, result: object, output: torch.Tensor) -> None:
+        """A legacy forward that returns a new tensor (``[T, H * D]`` or ``[T, H, D]``)."""
+        if not isinstance(result, torch.Tensor) or result.numel() != output.numel():
+            got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result)
+            raise LegacyBackendRuntimeError(
+                f"legacy backend {self.legacy_backend.name!r}: forward() returned {got}, "
+                f"expected {output.numel()} values ({tuple(output.shape)}, or flattened)")
+        output.copy_(result.reshape(output.shape))
 
 
 class FlaggedImplBase(AdaptedImplBase):
     """A flagged legacy impl also provides the layer's writer."""
 
     def kv_cache_writer(self, layer: AttentionLayerProtocol) -> KVCacheWriter:
-        return _DoKVCacheUpdateWriter(self.legacy, layer)
+        return _DoKVCacheUpdateWriter(self.legacy, self.view_of(layer))
+
+
+def _takes_upstream_args(builder_cls: type) -> bool:
+    """True for a builder built as ``(kv_cache_spec, layer_names, vllm_config, device)``;
+    False for this package's earlier examples, built as ``(device)``."""
+    try:
+        params = list(inspect.signature(builder_cls).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 4 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
 class AdaptedBuilderBase(AttentionMetadataBuilder[LegacyMetadataBox]):
+    """Builds the legacy builder on its first ``build`` (when the batch gives the block
+    size) and calls it with upstream's arguments."""
+
     legacy_builder_cls: ClassVar[type]
+    legacy_backend: ClassVar[type[AdaptedBackendBase]]
 
     def __init__(self, spec: AttentionLayerSpec, device: torch.device) -> None:
         super().__init__(spec, device)
-        self.legacy = self.legacy_builder_cls(device)
+        self._legacy: tuple[int, Any, VllmConfig] | None = None
+
+    def _legacy_builder(self, block_size: int) -> tuple[Any, VllmConfig]:
+        held = self._legacy
+        if held is not None and held[0] == block_size:
+            return held[1], held[2]
+        spec = self.spec
+        spelling = self.legacy_backend.legacy_spelling(spec.kv_cache_dtype)
+        cache_dtype = _group_cache_dtype(spec)
+        model_dtype = cache_dtype if cache_dtype.is_floating_point and \
+            cache_dtype.itemsize > 1 else torch.get_default_dtype()
+        config = _vllm_config(spec, spelling, block_size=block_size, dtype=model_dtype)
+        names = [n for n, v in list(LIVE_LAYERS.items()) if _same_group(v, spec)]
+        try:
+            with set_current_vllm_config(config):
+                if _takes_upstream_args(self.legacy_builder_cls):
+                    kv_spec = FullAttentionSpec(
+                        block_size=block_size, num_kv_heads=spec.num_kv_heads,
+                        head_size=spec.head_size, head_size_v=spec.v_head_size,
+                        dtype=cache_dtype, sliding_window=spec.sliding_window)
+                    builder = self.legacy_builder_cls(kv_spec, names, config, self.device)
+                else:
+                    builder = self.legacy_builder_cls(self.device)
+        except AttentionError:
+            raise
+        except Exception as exc:
+            raise LegacyBackendRuntimeError(
+                f"legacy backend {self.legacy_backend.name!r} raised building its metadata "
+                f"builder: {type(exc).__name__}: {exc}") from exc
+        self._legacy = (block_size, builder, config)
+        return builder, config
 
     def build(self, common: CommonAttentionMetadata) -> LegacyMetadataBox:
-        placeholder = torch.full(
-            (common.num_actual_tokens,), -1, dtype=torch.int64, device=common.seq_lens.device
-        )
-        legacy_common = LegacyCommonAttentionMetadata(
-            **common_fields(common),
-            slot_mapping=placeholder,
-        )
-        return LegacyMetadataBox(self.legacy.build(0, legacy_common))
+        builder, config = self._legacy_builder(common.block_size)
+        legacy_common = LegacyCommon.from_new(common)
+        try:
+            with set_current_vllm_config(config):
+                meta = builder.build(0, legacy_common)
+        except AttentionError:
+            raise
+        except Exception as exc:
+            raise LegacyBackendRuntimeError(
+                f"legacy backend {self.legacy_backend.name!r} raised in build(): "
+                f"{type(exc).__name__}: {exc}") from exc
+        return LegacyMetadataBox(meta)
+
+
+def _probe_impl(backend: type[AdaptedBackendBase], head_size: int, spelling: str,
+                sliding_window: int | None, logits_soft_cap: float | None,
+                attn_type: AttentionType) -> str | None:
+    """Why the legacy impl refuses to be built for this configuration (None: it builds).
+
+    Upstream's impls refuse features in ``__init__`` with ``NotImplementedError`` (and
+    head sizes with ``ValueError``); that refusal is the declaration.
+    """
+    spec = AttentionLayerSpec(num_heads=8, head_size=head_size, num_kv_heads=2,
+                              scale=head_size ** -0.5, sliding_window=sliding_window,
+                              logits_soft_cap=logits_soft_cap, attn_type=attn_type)
+    config = _vllm_config(spec, spelling, block_size=16, dtype=torch.get_default_dtype())
+    try:
+        with set_current_vllm_config(config):
+            build_legacy_impl(backend.legacy_cls.get_impl_cls(), spec, spelling)  # type: ignore[attr-defined]
+    except (NotImplementedError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # any other failure to build is a refusal too, named as such
+        return f"raised {type(exc).__name__}: {exc}"
+    return None
 
 
 class AdaptedBackendBase(AttentionBackend[LegacyMetadataBox]):
@@ -248,8 +576,12 @@ class AdaptedBackendBase(AttentionBackend[LegacyMetadataBox]):
     migration: ClassVar[Any] = "adapted"
     legacy_cls: ClassVar[type]
     legacy_generation: ClassVar[LegacyGeneration]
+    legacy_spellings: ClassVar[Mapping[KVCacheDType, str]]
+    accept_output_buffer: ClassVar[bool]
     impl_cls: ClassVar[type[AdaptedImplBase]]
     builder_cls: ClassVar[type[AdaptedBuilderBase]]
+    registered_at: ClassVar[Location | None] = None
+    """Where the backend was registered (the first-use warning points there)."""
 
     @classmethod
     def get_impl_cls(cls) -> type[AdaptedImplBase]:
@@ -277,26 +609,97 @@ class AdaptedBackendBase(AttentionBackend[LegacyMetadataBox]):
         )
         return tuple(int(s) for s in shape)
 
+    @classmethod
+    def legacy_spelling(cls, cache_dtype: KVCacheDType) -> str:
+        """The cache dtype as the legacy code spells it (what its impl is given)."""
+        return cls.legacy_spellings.get(cache_dtype, cache_dtype)
 
-def _declared_caps(cls: type) -> dict[str, Any]:
-    """Capability declarations read from a legacy class's optional methods."""
-    caps: dict[str, Any] = {}
-    if callable(getattr(cls, "get_supported_dtypes", None)):
-        caps["supported_dtypes"] = frozenset(cls.get_supported_dtypes())  # type: ignore[attr-defined]
-    if callable(getattr(cls, "get_supported_head_sizes", None)):
-        caps["head_sizes"] = SizeSpec(values=frozenset(cls.get_supported_head_sizes()))  # type: ignore[attr-defined]
-    else:
-        caps["head_sizes"] = SizeSpec()
-    if callable(getattr(cls, "get_supported_block_sizes", None)):
-        caps["block_sizes"] = SizeSpec(values=frozenset(cls.get_supported_block_sizes()))  # type: ignore[attr-defined]
-    else:
-        caps["block_sizes"] = SizeSpec()
-    dtypes = getattr(cls, "supported_kv_cache_dtypes", ("auto",))
-    caps["supported_kv_cache_dtypes"] = frozenset(
-        parse_kv_cache_dtype(d, argument=f"{cls.__qualname__}.supported_kv_cache_dtypes")
-        for d in dtypes
-    )
-    return caps
+    @classmethod
+    def warn_first_use(cls) -> None:
+        """The one :class:`shim.LegacyBackendWarning` of this legacy class, pointing at its
+        registration (or its definition when it came from an entry point)."""
+        legacy = cls.legacy_cls
+        what, change = _ADVICE[cls.legacy_generation]
+        warn_once(
+            f"{legacy.__module__}.{legacy.__qualname__}",
+            f"attention backend {cls.name!r} ({legacy.__module__}.{legacy.__qualname__}) is "
+            f"a legacy {cls.legacy_generation.value} backend: {what}. It runs through the "
+            f"compatibility adapter (shim). To migrate, {change}. See migration_guide.md.",
+            at=cls.registered_at or _definition_site(legacy),
+        )
+
+    @classmethod
+    def unsupported_reasons(
+        cls,
+        *,
+        dtype: torch.dtype,
+        head_size: int,
+        block_size: int,
+        kv_cache_dtype: str = "auto",
+        attn_type: AttentionType = AttentionType.DECODER,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        use_mla: bool = False,
+        use_sparse: bool = False,
+        device: torch.device | None = None,
+    ) -> list[str]:
+        """The declared reasons, then what the legacy class itself refuses: its
+        ``supports_combination`` and its impl's ``__init__``."""
+        reasons = super().unsupported_reasons(
+            dtype=dtype, head_size=head_size, block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype, attn_type=attn_type, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap, use_mla=use_mla, use_sparse=use_sparse,
+            device=device)
+        if reasons:
+            return reasons
+        legacy = cls.legacy_cls
+        spelling = cls.legacy_spellings.get(kv_cache_dtype, kv_cache_dtype)  # type: ignore[call-overload]
+        combination = getattr(legacy, "supports_combination", None)
+        if callable(combination) and device is not None and device.type == "cuda":
+            why = combination(head_size, dtype, spelling, block_size, False, False, False,
+                              _capability(device))
+            if why:
+                reasons.append(f"{cls.name}: {why}")
+        refusal = _cached_probe(cls, head_size, spelling, sliding_window, logits_soft_cap,
+                                attn_type)
+        if refusal is not None:
+            reasons.append(f"{cls.name}'s impl refuses head_size={head_size}, "
+                           f"kv_cache_dtype={spelling!r}, sliding_window={sliding_window}, "
+                           f"logits_soft_cap={logits_soft_cap}, attn_type={attn_type.value}: "
+                           f"{refusal}")
+        return reasons
+
+    @classmethod
+    def device_unsupported_reasons(cls, device: torch.device) -> list[str]:
+        supports = getattr(cls.legacy_cls, "supports_compute_capability", None)
+        if device.type == "cuda" and callable(supports):
+            cap = _capability(device)
+            if not supports(cap):
+                return [f"{cls.name} refuses compute capability {cap.as_version_str()} "
+                        "(supports_compute_capability)"]
+        return []
+
+
+def _capability(device: torch.device) -> DeviceCapability:
+    major, minor = torch.cuda.get_device_capability(device)
+    return DeviceCapability(major, minor)
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_probe(backend: type[AdaptedBackendBase], head_size: int, spelling: str,
+                  sliding_window: int | None, logits_soft_cap: float | None,
+                  attn_type: AttentionType) -> str | None:
+    return _probe_impl(backend, head_size, spelling, sliding_window, logits_soft_cap,
+                       attn_type)
+
+
+def _definition_site(cls: type) -> Location | None:
+    try:
+        filename = inspect.getsourcefile(cls)
+        _, lineno = inspect.getsourcelines(cls)
+    except (OSError, TypeError):
+        return None
+    return (filename, lineno) if filename else None
 
 
 _adapted: weakref.WeakKeyDictionary[type, type[AdaptedBackendBase]] = weakref.WeakKeyDictionary()
@@ -317,21 +720,15 @@ _ADVICE = {
 }
 
 
-def adapt_legacy_backend(cls: type) -> type[AttentionBackend[Any]]:
-    """The new-style backend that runs legacy ``cls`` unchanged.
-
-    Warns once per legacy class per process (:class:`shim.LegacyBackendWarning`).
-    Raises :class:`~vllm.attention.LegacyBackendError` for a class that is not a
-    legacy backend or declares the write inconsistently. A new-style backend is
-    returned as it is.
-    """
+def adapt_quietly(cls: type, *, name: str | None = None,
+                  registered_at: Location | None = None) -> type[AdaptedBackendBase]:
+    """The adapted class of legacy ``cls`` without warning now: it warns when first used,
+    pointing at ``registered_at`` (or the class definition). ``name`` renames it."""
     candidate: object = cls
     if not isinstance(candidate, type):
         raise LegacyBackendError(
             f"adapt_legacy_backend: got {candidate!r}, expected a legacy backend class"
         )
-    if issubclass(cls, AttentionBackend):
-        return cls
     if not is_legacy_backend(cls):
         missing = [m for m in _REQUIRED if not callable(getattr(cls, m, None))]
         raise LegacyBackendError(
@@ -344,40 +741,78 @@ def adapt_legacy_backend(cls: type) -> type[AttentionBackend[Any]]:
         adapted = _build_adapted(cls)
         with _lock:
             adapted = _adapted.setdefault(cls, adapted)
+    if registered_at is not None and adapted.registered_at is None:
+        adapted.registered_at = registered_at
+    if name is not None and name != adapted.name:
+        renamed: type[AdaptedBackendBase] = type(adapted.__name__, (adapted,), {
+            "name": name, "__module__": adapted.__module__, "__doc__": adapted.__doc__})
+        return renamed
+    return adapted
+
+
+def adapt_legacy_backend(cls: type) -> type[AttentionBackend[Any]]:
+    """The new-style backend that runs legacy ``cls`` unchanged.
+
+    Warns once per legacy class per process (:class:`shim.LegacyBackendWarning`),
+    pointing at the caller. Raises :class:`~vllm.attention.LegacyBackendError` for a
+    class that is not a legacy backend or declares the write inconsistently. A
+    new-style backend is returned as it is.
+    """
+    candidate: object = cls
+    if isinstance(candidate, type) and issubclass(candidate, AttentionBackend):
+        return candidate
+    adapted = adapt_quietly(cls)
+    legacy = adapted.legacy_cls
     what, change = _ADVICE[adapted.legacy_generation]
     warn_once(
-        f"{cls.__module__}.{cls.__qualname__}",
-        f"attention backend {adapted.name!r} ({cls.__module__}.{cls.__qualname__}) is a legacy "
-        f"{adapted.legacy_generation.value} backend: {what}. It runs through the compatibility "
-        f"adapter (shim). To migrate, {change}. See migration_guide.md.",
+        f"{legacy.__module__}.{legacy.__qualname__}",
+        f"attention backend {adapted.name!r} ({legacy.__module__}.{legacy.__qualname__}) is "
+        f"a legacy {adapted.legacy_generation.value} backend: {what}. It runs through the "
+        f"compatibility adapter (shim). To migrate, {change}. See migration_guide.md.",
+        at=caller_location(),
     )
     return adapted
 
 
 def _build_adapted(cls: type) -> type[AdaptedBackendBase]:
+    _refuse_mla(cls)
     generation = legacy_generation(cls)
     layout = infer_layout(cls)
     backend_name = str(cls.get_name())  # type: ignore[attr-defined]
+    spellings = _cache_dtypes(cls, layout)
     impl_base = FlaggedImplBase if generation is LegacyGeneration.FLAGGED else AdaptedImplBase
-    impl_cls = type(f"Adapted{cls.__name__}Impl", (impl_base,), {
-        "legacy_impl_cls": cls.get_impl_cls(),  # type: ignore[attr-defined]
-        "legacy_backend_name": backend_name,
-    })
-    builder_cls = type(f"Adapted{cls.__name__}Builder", (AdaptedBuilderBase,), {
-        "legacy_builder_cls": cls.get_builder_cls(),  # type: ignore[attr-defined]
-    })
     namespace: dict[str, Any] = {
         "name": backend_name,
         "kv_cache_layout": layout,
         "legacy_cls": cls,
         "legacy_generation": generation,
-        "impl_cls": impl_cls,
-        "builder_cls": builder_cls,
+        "legacy_spellings": dict(spellings),
+        "accept_output_buffer": bool(getattr(cls, "accept_output_buffer", True)),
+        "supported_dtypes": _dtypes(cls),
+        "supported_kv_cache_dtypes": frozenset(spellings),
+        "head_sizes": _head_sizes(cls),
+        "block_sizes": _block_sizes(cls),
+        "attention_types": _attention_types(cls),
         "__module__": cls.__module__,
         "__doc__": f"Adapted legacy backend {cls.__qualname__} ({generation.value}).",
-        **_declared_caps(cls),
     }
-    if callable(getattr(cls, "get_kv_cache_stride_order", None)):
-        order = tuple(cls.get_kv_cache_stride_order())  # type: ignore[attr-defined]
+    order = _stride_order(cls)
+    if order is not None:
         namespace["get_kv_cache_stride_order"] = classmethod(lambda _c: order)
-    return type(f"Adapted{cls.__name__}", (AdaptedBackendBase,), namespace)
+    adapted: type[AdaptedBackendBase] = type(f"Adapted{cls.__name__}", (AdaptedBackendBase,),
+                                             namespace)
+    adapted.impl_cls = type(f"Adapted{cls.__name__}Impl", (impl_base,), {
+        "legacy_impl_cls": cls.get_impl_cls(),  # type: ignore[attr-defined]
+        "legacy_backend": adapted,
+    })
+    adapted.builder_cls = type(f"Adapted{cls.__name__}Builder", (AdaptedBuilderBase,), {
+        "legacy_builder_cls": cls.get_builder_cls(),  # type: ignore[attr-defined]
+        "legacy_backend": adapted,
+    })
+    head = next(iter(adapted.head_sizes.examples((64, 128, 32, 16, 96, 256, 8))), 64)
+    decoder = AttentionType.DECODER
+    adapted.supports_sliding_window = _cached_probe(adapted, head, "auto", 21, None,
+                                                    decoder) is None
+    adapted.supports_logits_soft_cap = _cached_probe(adapted, head, "auto", None, 7.5,
+                                                     decoder) is None
+    return adapted

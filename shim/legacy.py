@@ -1,7 +1,7 @@
 """The pre-split world, as legacy backends knew it.
 
-Legacy builders receive :class:`LegacyCommonAttentionMetadata`, which still has
-``slot_mapping``; legacy fused backends may call :func:`reshape_and_cache_flash`.
+Legacy builders receive :data:`LegacyCommonAttentionMetadata` (upstream's
+``CommonAttentionMetadata``), which still has ``slot_mapping``; legacy fused backends may call :func:`reshape_and_cache_flash`.
 Both exist only so old code runs unchanged through :func:`shim.adapt_legacy_backend`.
 """
 
@@ -14,21 +14,14 @@ import torch
 from typing_extensions import deprecated
 
 from shim.warnings import LegacyBackendWarning
-from vllm.attention.backend import CommonAttentionMetadata
+from shim.upstream.backend import CommonAttentionMetadata  # type: ignore[deprecated]
 from vllm.attention.types import KVQuant, parse_kv_cache_dtype
 from vllm.attention.writers.split import write_kv_views
 
 
-@dataclass(frozen=True, kw_only=True)
-class LegacyCommonAttentionMetadata(CommonAttentionMetadata):
-    """What a legacy metadata builder is given: the batch plus ``slot_mapping``.
-
-    The adapter fills ``slot_mapping`` with ``-1`` at build time and puts the
-    layer's real slot mapping (from the ForwardContext) into the legacy metadata
-    right before the legacy ``forward``.
-    """
-
-    slot_mapping: torch.Tensor
+LegacyCommonAttentionMetadata = CommonAttentionMetadata
+"""What a legacy metadata builder is given: upstream's ``CommonAttentionMetadata``
+(:mod:`shim.upstream.backend`), which still has ``slot_mapping``."""
 
 
 class LegacyBuilder(Protocol):

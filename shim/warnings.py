@@ -41,13 +41,37 @@ def caller_stacklevel() -> int:
     return level
 
 
-def warn_once(key: str, message: str) -> bool:
-    """Emit ``message`` as a :class:`LegacyBackendWarning` once per ``key`` per process."""
+Location = tuple[str, int]
+"""``(filename, lineno)`` a warning points at."""
+
+
+def caller_location() -> Location | None:
+    """Where the first frame outside ``vllm``/``shim`` (and the import machinery) is:
+    the user's call that led here, or None when there is none (a console script)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        internal = (filename.startswith(_PACKAGE_DIRS) or "importlib" in filename
+                    or frame.f_code.co_filename.startswith("<frozen"))
+        if not internal:
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def warn_once(key: str, message: str, *, at: Location | None = None) -> bool:
+    """Emit ``message`` as a :class:`LegacyBackendWarning` once per ``key`` per process,
+    pointing at ``at`` (a backend's registration or definition) or else at the caller."""
     with _lock:
         if key in _warned:
             return False
         _warned.add(key)
-    warnings.warn(message, LegacyBackendWarning, stacklevel=caller_stacklevel())
+    if at is None:
+        warnings.warn(message, LegacyBackendWarning, stacklevel=caller_stacklevel())
+    else:
+        filename, lineno = at
+        module = os.path.splitext(os.path.basename(filename))[0]
+        warnings.warn_explicit(message, LegacyBackendWarning, filename, lineno, module=module)
     return True
 
 

@@ -17,6 +17,8 @@ from vllm.attention import (
     UnsupportedBackendError,
 )
 from vllm.attention import registry
+from vllm.attention.errors import BackendRegistrationError
+from vllm.attention.layer import Attention
 from vllm.attention.backends.torch_ref import TorchRefBackend
 
 
@@ -77,9 +79,17 @@ def test_plugins_from_entry_points_and_broken_plugin(clean_registry: None,
         ("BROKEN_PLUGIN", "tests.no_such_plugin_module:Backend"),
     )
     assert {"EXAMPLE_LEGACY_FLAGGED", "BROKEN_PLUGIN"} <= set(registry.list_backends())
-    with pytest.warns(LegacyBackendWarning):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # loading an entry point is silent: listing never warns
         adapted = registry.get_backend("EXAMPLE_LEGACY_FLAGGED")
+        registry.list_entries()
     assert adapted.migration == "adapted" and adapted.name == "EXAMPLE_LEGACY_FLAGGED"
+    # the first use warns, once, pointing at the backend's own definition
+    with pytest.warns(LegacyBackendWarning) as record:
+        Attention(num_heads=2, head_size=8, scale=1.0, backend=adapted, layer_name="p0")
+        Attention(num_heads=2, head_size=8, scale=1.0, backend=adapted, layer_name="p1")
+    assert len(record) == 1
+    assert record[0].filename.endswith("legacy_backends/flagged.py")
     with pytest.raises(PluginLoadError, match="BROKEN_PLUGIN.*tests.no_such_plugin_module"):
         registry.get_backend("BROKEN_PLUGIN")
     rows = {e.name: e for e in registry.list_entries()}
@@ -91,12 +101,17 @@ def test_plugins_from_entry_points_and_broken_plugin(clean_registry: None,
 def test_register_adapts_legacy_and_rejects_duplicates(clean_registry: None) -> None:
     from tests.legacy_backends.fused import FusedLegacyBackend
 
+    class _FusedTwin(FusedLegacyBackend):
+        pass
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LegacyBackendWarning)
         adapted = registry.register_backend(FusedLegacyBackend)
     assert registry.get_backend("EXAMPLE_LEGACY_FUSED") is adapted
-    from vllm.attention.errors import BackendRegistrationError
-
+    with pytest.raises(BackendRegistrationError, match=r"already registered.*name='MY_"):
+        registry.register_backend(_FusedTwin)
+    renamed = registry.register_backend(_FusedTwin, name="EXAMPLE_LEGACY_TWIN")
+    assert renamed.name == "EXAMPLE_LEGACY_TWIN" and registry.get_backend("EXAMPLE_LEGACY_TWIN")
     class Twin(TorchRefBackend):
         pass
 

@@ -53,10 +53,7 @@ def test_warns_once_per_class_naming_backend_change_and_guide(legacy: type) -> N
 
 def _run_legacy_directly(legacy: Any, cache: torch.Tensor, batch: Any, q: torch.Tensor,
                          k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    common = LegacyCommonAttentionMetadata(
-        **{f.name: getattr(batch.common, f.name) for f in dataclasses.fields(batch.common)},
-        slot_mapping=batch.new_slots,
-    )
+    common = LegacyCommonAttentionMetadata.from_new(batch.common, batch.new_slots)
     meta = legacy.get_builder_cls()(torch.device("cpu")).build(0, common)
     impl = legacy.get_impl_cls()(num_heads=q.shape[1], head_size=q.shape[2], scale=0.25,
                                  num_kv_heads=k.shape[1], alibi_slopes=None,

@@ -108,42 +108,92 @@ def import_target(target: str) -> object:
     return obj
 
 
-def _as_backend(obj: object, *, origin: str) -> AnyBackend:
-    """A new-style backend class, adapting a legacy one through :mod:`shim`."""
+def _legacy_shaped(cls: type[AttentionBackend[Any]]) -> bool:
+    """A class written like a legacy backend (its methods, not class data, say what it is)."""
+    own = {k for c in cls.__mro__ if issubclass(c, AttentionBackend) and c is not AttentionBackend
+           for k in vars(c)}
+    return bool(own & {"get_name", "forward_includes_kv_cache_update"})
+
+
+def _as_backend(obj: object, *, origin: str, name: str | None = None,
+                registered_at: tuple[str, int] | None = None) -> AnyBackend:
+    """A new-style backend class, adapting a legacy one through :mod:`shim` (quietly: an
+    adapted backend warns when it is first used, pointing at ``registered_at``)."""
     if isinstance(obj, type) and issubclass(obj, AttentionBackend):
         problems = obj.declaration_problems()
+        if problems and _legacy_shaped(obj):
+            raise BackendRegistrationError(
+                f"{origin}: backend {obj.__qualname__} subclasses the new "
+                "vllm.attention.AttentionBackend but is written like a legacy backend "
+                f"(get_name(), get_impl_cls(), ...; {'; '.join(problems)}). Subclass the "
+                "legacy base vllm.v1.attention.backend.AttentionBackend (or "
+                "vllm.attention.backends.abstract.AttentionBackend) to run it unchanged "
+                "through the adapter, or declare name and kv_cache_layout as class data to "
+                "migrate it (migration_guide.md)."
+            )
         if problems:
             raise BackendRegistrationError(
                 f"{origin}: backend {obj.__qualname__} is declared wrongly: "
                 + "; ".join(problems)
             )
+        if name is not None and name != obj.name:
+            raise BackendRegistrationError(
+                f"{origin}: name={name!r} for {obj.__qualname__}, whose name is {obj.name!r}; "
+                "a new-style backend is registered under its own name (declare another)")
         return obj
-    from shim.adapter import adapt_legacy_backend, is_legacy_backend
+    from shim.adapter import adapt_quietly, is_legacy_backend
 
     if is_legacy_backend(obj):
-        return adapt_legacy_backend(obj)
+        return adapt_quietly(obj, name=name, registered_at=registered_at)
     raise BackendRegistrationError(
         f"{origin}: got {obj!r}, expected an AttentionBackend subclass or a legacy backend "
-        "class (get_name/get_impl_cls/get_metadata_cls/get_builder_cls/get_kv_cache_shape)"
+        "class (get_name/get_impl_cls/get_builder_cls/get_kv_cache_shape)"
     )
 
 
-def register_backend(cls: type, *, replace: bool = False) -> AnyBackend:
-    """Register ``cls`` under its name (legacy classes are adapted). Returns the
-    registered, new-style class. Registering never makes it the selected backend."""
-    backend = _as_backend(cls, origin="register_backend")
+def register_backend(cls: type, *, name: str | None = None, replace: bool = False,
+                     registered_at: tuple[str, int] | None = None) -> AnyBackend:
+    """Register ``cls`` under its name, or ``name`` (legacy classes only). Returns the
+    registered, new-style class. Registering never makes it the selected backend.
+
+    A legacy class is adapted; its one :class:`shim.LegacyBackendWarning` comes when it is
+    first used and points at ``registered_at`` (default: the caller of this function).
+    """
+    if registered_at is None:
+        from shim.warnings import caller_location
+
+        registered_at = caller_location()
+    backend = _as_backend(cls, origin="register_backend", name=name,
+                          registered_at=registered_at)
     _init()
     with _lock:
         old = _entries.get(backend.name)
         if old is not None and not replace and old.cls is not backend:
+            legacy = backend.migration == "adapted"
+            how = (f"register_backend({cls.__qualname__}, name='MY_{backend.name}')"
+                   if legacy else f"declare another name on {cls.__qualname__}")
             raise BackendRegistrationError(
-                f"a backend named {backend.name!r} is already registered ({old.target}); "
-                "pass replace=True to override it"
+                f"a backend named {backend.name!r} is already registered ({old.source}, "
+                f"{old.target}); to register {cls.__module__}.{cls.__qualname__} beside it, "
+                f"{how}; or pass replace=True to override it"
             )
         _entries[backend.name] = BackendEntry(
             backend.name, "registered", f"{cls.__module__}:{cls.__qualname__}", backend
         )
     return backend
+
+
+def register_target(name: str, target: str) -> None:
+    """Register ``module:Class`` under ``name``, imported (and checked) when first asked
+    for; replaces an entry of that name."""
+    module_name, sep, attr = target.partition(":")
+    if not name:
+        raise InvalidArgumentError("name", name, "a non-empty backend name")
+    if not sep or not module_name or not attr:
+        raise InvalidArgumentError("target", target, "'module:Class'")
+    _init()
+    with _lock:
+        _entries[name] = BackendEntry(name, "registered", target)
 
 
 def unregister_backend(name: str) -> None:

@@ -27,12 +27,56 @@ KVCacheDType = Literal[
 KV_CACHE_DTYPES: Final[tuple[KVCacheDType, ...]] = get_args(KVCacheDType)
 
 
-def parse_kv_cache_dtype(value: str, *, argument: str = "kv_cache_dtype") -> KVCacheDType:
-    """Return ``value`` as a :data:`KVCacheDType`, or raise naming the allowed values."""
+UNQUANTISED_SPELLINGS: Final[dict[str, torch.dtype]] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+"""vLLM's names for an unquantised cache of one dtype; they mean ``auto`` for a model of
+that dtype (``docs/layouts.md``)."""
+
+_ACCEPTED: Final[tuple[str, ...]] = KV_CACHE_DTYPES + tuple(UNQUANTISED_SPELLINGS)
+
+
+def parse_kv_cache_dtype(
+    value: str, *, argument: str = "kv_cache_dtype", model_dtype: torch.dtype | None = None
+) -> KVCacheDType:
+    """Return ``value`` as a :data:`KVCacheDType`, or raise naming the allowed values.
+
+    vLLM's spellings ``bfloat16`` / ``float16`` (an unquantised cache of that dtype)
+    become ``auto``; given ``model_dtype``, they must name it.
+    """
     for allowed in KV_CACHE_DTYPES:
         if value == allowed:
             return allowed
-    raise InvalidArgumentError(argument, value, f"one of {', '.join(KV_CACHE_DTYPES)}")
+    named = UNQUANTISED_SPELLINGS.get(value)
+    if named is None:
+        raise InvalidArgumentError(argument, value, f"one of {', '.join(_ACCEPTED)}")
+    if model_dtype is not None and named != model_dtype:
+        model = str(model_dtype).removeprefix("torch.")
+        raise InvalidArgumentError(
+            argument, value,
+            f"'auto' or '{model}': an unquantised cache holds the model dtype ({model})",
+        )
+    return "auto"
+
+
+_SAME_FORMAT: Final[dict[KVCacheDType, KVCacheDType]] = {"fp8": "fp8_e4m3"}
+
+
+def kv_cache_format(cache_dtype: KVCacheDType) -> KVCacheDType:
+    """The storage format a spelling names: ``fp8`` and ``fp8_e4m3`` are one (E4M3)."""
+    return _SAME_FORMAT.get(cache_dtype, cache_dtype)
+
+
+def declared_spelling(
+    cache_dtype: KVCacheDType, declared: frozenset[KVCacheDType]
+) -> KVCacheDType | None:
+    """The member of ``declared`` that names the same format as ``cache_dtype`` (the
+    spelling a backend's own code expects), or None when it declares no such format."""
+    if cache_dtype in declared:
+        return cache_dtype
+    fmt = kv_cache_format(cache_dtype)
+    return next((d for d in sorted(declared) if kv_cache_format(d) == fmt), None)
 
 
 _FP8_TORCH_DTYPE: Final[dict[str, torch.dtype]] = {
@@ -82,8 +126,11 @@ class KVCacheLayout(enum.Enum):
     """``(nb, bs, 656)`` uint8: 512 E4M3, 4 float32 tile scales, 64 16-bit rope values."""
 
 
-class AttentionType(enum.Enum):
-    """Which tokens attend to which, and whether a cache is involved."""
+class AttentionType(str, enum.Enum):
+    """Which tokens attend to which, and whether a cache is involved.
+
+    Members are strings: ``AttentionType.DECODER == "decoder"``, as in vLLM.
+    """
 
     DECODER = "decoder"
     """Causal self-attention over the paged cache."""
@@ -95,21 +142,33 @@ class AttentionType(enum.Enum):
     """Cross-attention: decoder queries over the encoder K/V, written to the cache once."""
 
 
-def _check_scale(name: str, scale: object) -> None:
+def _checked_scale(name: str, scale: object) -> torch.Tensor:
+    """``scale`` as a 1-D float32 tensor; a 0-d one (vLLM's ``layer._k_scale``) becomes a
+    ``[1]`` view of the same storage. Values are checked where that needs no device sync
+    (a CPU tensor); a scale on an accelerator is the caller's to keep positive and finite
+    (the :class:`~vllm.attention.Attention` layer checks its own when it is built)."""
     if not isinstance(scale, torch.Tensor):
         raise InvalidArgumentError(name, type(scale).__name__, "a float32 torch.Tensor")
     if scale.dtype != torch.float32:
         raise InvalidArgumentError(f"{name}.dtype", scale.dtype, "torch.float32")
+    if scale.dim() == 0:
+        scale = scale.view(1)
     if scale.dim() != 1 or scale.numel() < 1:
-        raise InvalidArgumentError(f"{name}.shape", tuple(scale.shape), "[1] or [num_kv_heads]")
+        raise InvalidArgumentError(
+            f"{name}.shape", tuple(scale.shape), "[1] or [num_kv_heads] (or 0-d: one value)")
+    if scale.device.type == "cpu" and not bool(((scale > 0) & scale.isfinite()).all()):
+        raise InvalidArgumentError(name, scale.tolist(), "positive, finite values")
+    return scale
 
 
 @dataclass(frozen=True)
 class KVQuant:
     """How values are stored: the cache format and its float32 scales.
 
-    ``k_scale`` / ``v_scale``: float32, shape ``[1]`` (per tensor) or ``[num_kv_heads]``.
-    Ignored for ``auto`` and the formats that carry their own scales.
+    ``k_scale`` / ``v_scale``: float32, shape ``[1]`` (per tensor) or ``[num_kv_heads]``; a
+    0-d tensor is taken as ``[1]``. CPU scales must be positive and finite (checked here);
+    scales on an accelerator are not read back to check them. Ignored for ``auto`` and the
+    formats that carry their own scales.
     """
 
     kv_cache_dtype: KVCacheDType
@@ -118,8 +177,8 @@ class KVQuant:
 
     def __post_init__(self) -> None:
         parse_kv_cache_dtype(self.kv_cache_dtype, argument="KVQuant.kv_cache_dtype")
-        _check_scale("k_scale", self.k_scale)
-        _check_scale("v_scale", self.v_scale)
+        object.__setattr__(self, "k_scale", _checked_scale("k_scale", self.k_scale))
+        object.__setattr__(self, "v_scale", _checked_scale("v_scale", self.v_scale))
 
     @classmethod
     def unscaled(

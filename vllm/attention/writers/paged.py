@@ -118,3 +118,39 @@ class LegacyPagedKVCacheWriter(WriterBase):
                        scatter_mode(quant.kv_cache_dtype), quant.k_scale, quant.v_scale)
         else:
             reference_legacy_paged_write(key, value, k5, v4, slot_mapping, quant)
+
+
+def write_legacy_paged_views(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k5: torch.Tensor,
+    v4: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    quant: KVQuant,
+    cache_dtypes: tuple[KVCacheDType, ...] = PAGED_CACHE_DTYPES,
+    *,
+    path: WritePath | None = None,
+) -> None:
+    """Validate, then write into the K ``[nb, H, D/x, bs, x]`` and V ``[nb, H, D, bs]``
+    views of a legacy paged cache (vLLM's ``reshape_and_cache`` arguments)."""
+    check_tensor("key_cache", k5)
+    check_tensor("value_cache", v4)
+    if (k5.dim() != 5 or v4.dim() != 4 or k5.shape[:2] != v4.shape[:2]
+            or k5.shape[3] != v4.shape[3] or k5.shape[2] * k5.shape[4] != v4.shape[2]):
+        raise KVCacheWriteError(
+            "kv_cache views", (tuple(k5.shape), tuple(v4.shape)),
+            "K [num_blocks, num_kv_heads, head_size/x, block_size, x] and "
+            "V [num_blocks, num_kv_heads, head_size, block_size]",
+        )
+    if v4.dtype != k5.dtype or v4.device != k5.device:
+        raise KVCacheWriteError("value_cache", f"{v4.dtype} on {v4.device}",
+                                f"{k5.dtype} on {k5.device} (key_cache's)")
+    h, d = int(v4.shape[1]), int(v4.shape[2])
+    check_kv_inputs(key, value, slot_mapping, quant, cache=k5, num_kv_heads=h, head_size=d,
+                    head_size_v=d, cache_dtypes=cache_dtypes)
+    if resolve_path(k5.device, path) == "triton":
+        scatter_kv(key, value, ScatterTarget.x_split_key(k5),
+                   ScatterTarget.head_major_value(v4), slot_mapping,
+                   scatter_mode(quant.kv_cache_dtype), quant.k_scale, quant.v_scale)
+    else:
+        reference_legacy_paged_write(key, value, k5, v4, slot_mapping, quant)

@@ -1,0 +1,10 @@
+"""Upstream's ``vllm.v1.attention.backends.registry``: ``@register_backend``.
+
+Part of the deprecated legacy surface: upstream vLLM's names at upstream's import path, so a
+backend written against upstream runs unchanged through the adapter. The types live in
+``shim.upstream.registry``; new code uses ``vllm.attention`` (see ``migration_guide.md``,
+"The legacy surface").
+"""
+
+from shim.upstream.registry import *  # noqa: F403
+from shim.upstream.registry import __all__ as __all__
