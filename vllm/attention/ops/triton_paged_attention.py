@@ -88,6 +88,10 @@ class TritonLaunchConfig:
     """Chunks of the key range (1: no split-K)."""
     num_warps: int = 4
     num_stages: int = 2
+    split_masks: bool = False
+    """Run the key tiles every row sees without masks, masking only the edge tiles
+    (the causal diagonal, the window's start, the last partial tile). Prefill only:
+    decode launches keep the one masked loop they were tuned with."""
 
 
 def _pow2(n: int) -> int:
@@ -159,7 +163,7 @@ def choose_config(
         raise InvalidArgumentError("num_splits", num_splits, ">= 1")
     num_warps = 4 if block_m * block_n <= 64 * 64 else 8
     return TritonLaunchConfig(block_m=block_m, block_n=block_n, num_splits=num_splits,
-                              num_warps=num_warps, num_stages=3)
+                              num_warps=num_warps, num_stages=3, split_masks=not decode)
 
 
 def paged_attention_triton(
@@ -270,7 +274,7 @@ def paged_attention_triton(
         DEQUANT=int(kv.dequant), CAUSAL=causal and tree_mask is None,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logits_soft_cap is not None,
         HAS_TREE=tree_mask is not None, FP32_DOT=q.dtype == torch.float32,
-        NUM_SPLITS=splits, INTERPRETER=interpreter_active(),
+        NUM_SPLITS=splits, INTERPRETER=interpreter_active(), SPLIT_MASKS=cfg.split_masks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

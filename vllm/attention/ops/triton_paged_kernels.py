@@ -95,32 +95,45 @@ def _attend_tile(
     K_TS: tl.constexpr, V_TS: tl.constexpr,
     DEQUANT: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
-    INTERPRETER: tl.constexpr,
+    INTERPRETER: tl.constexpr, MASKED: tl.constexpr = True,
 ) -> tl.tensor:
     """Keys ``start .. start + BLOCK_N`` (clipped to ``hi``): one online-softmax step.
-    Returns the updated ``(m_i, l_i, acc)``."""
+    Returns the updated ``(m_i, l_i, acc)``. ``MASKED=False``: the caller knows every
+    key of the tile is below ``hi`` and visible to every row (no bounds, causal,
+    window or tree masks are built)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     off = offs_n % BLOCK_SIZE
     if BLOCK_SIZE % BLOCK_N == 0:
         # The whole tile lies in one page: one block-table read.
         blk = tl.load(bt_row + start // BLOCK_SIZE).to(tl.int64)
-    else:
+    elif MASKED:
         blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
 
     k_tok = _token_offsets(off, k_sth, k_stl, K_TS, BLOCK_SIZE)
     k_ptrs = k_ptr + (blk * k_sb + k_head + k_tok)[None, :] + k_dim[:, None]
     if HEAD_K == HEAD_K_PAD:
-        k = tl.load(k_ptrs, mask=n_ok[None, :], other=0.0)
+        if MASKED:
+            k = tl.load(k_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
     else:
         dk_ok = tl.arange(0, HEAD_K_PAD) < HEAD_K
-        k = tl.load(k_ptrs, mask=n_ok[None, :] & dk_ok[:, None], other=0.0)
+        if MASKED:
+            k = tl.load(k_ptrs, mask=n_ok[None, :] & dk_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=dk_ok[:, None], other=0.0)
     s = _dot(q, k.to(q.dtype), FP32_DOT, INTERPRETER)
     if DEQUANT == 1:
         s = s * k_sc
     if DEQUANT == 2:
-        k_tok_sc = tl.load(ks_ptr + blk * ks_sb + off * ks_st + kv_head * ks_sh,
-                           mask=n_ok, other=0.0)
+        if MASKED:
+            k_tok_sc = tl.load(ks_ptr + blk * ks_sb + off * ks_st + kv_head * ks_sh,
+                               mask=n_ok, other=0.0)
+        else:
+            k_tok_sc = tl.load(ks_ptr + blk * ks_sb + off * ks_st + kv_head * ks_sh)
         s = s * k_tok_sc[None, :]
     if HAS_SOFTCAP:
         # cap * tanh(x / cap) with tanh(y) = 1 - 2 / (exp(2y) + 1), in log2 units.
@@ -129,18 +142,19 @@ def _attend_tile(
     else:
         s = s * qk_scale
 
-    visible = n_ok[None, :] & row_ok[:, None]
-    if CAUSAL:
-        visible = visible & (offs_n[None, :] <= q_pos[:, None])
-    if HAS_WINDOW:
-        visible = visible & ((q_pos[:, None] - offs_n[None, :]) < window)
-    if HAS_TREE:
-        j = offs_n - ctx_len
-        in_new = j >= 0
-        t_ok = row_ok[:, None] & (in_new & n_ok)[None, :]
-        bits = tl.load(tree_ptr + tok[:, None] * tree_s + j[None, :], mask=t_ok, other=0)
-        visible = visible & ((j < 0)[None, :] | (bits != 0))
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        visible = n_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & ((q_pos[:, None] - offs_n[None, :]) < window)
+        if HAS_TREE:
+            j = offs_n - ctx_len
+            in_new = j >= 0
+            t_ok = row_ok[:, None] & (in_new & n_ok)[None, :]
+            bits = tl.load(tree_ptr + tok[:, None] * tree_s + j[None, :], mask=t_ok, other=0)
+            visible = visible & ((j < 0)[None, :] | (bits != 0))
+        s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -153,15 +167,74 @@ def _attend_tile(
     v_tok = _token_offsets(off, v_sth, v_stl, V_TS, BLOCK_SIZE)
     v_ptrs = v_ptr + (blk * v_sb + v_head + v_tok)[:, None] + v_dim[None, :]
     if HEAD_V == HEAD_V_PAD:
-        v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
     else:
         dv_ok = tl.arange(0, HEAD_V_PAD) < HEAD_V
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
     if DEQUANT == 2:
-        v_tok_sc = tl.load(vs_ptr + blk * vs_sb + off * vs_st + kv_head * vs_sh,
-                           mask=n_ok, other=0.0)
+        if MASKED:
+            v_tok_sc = tl.load(vs_ptr + blk * vs_sb + off * vs_st + kv_head * vs_sh,
+                               mask=n_ok, other=0.0)
+        else:
+            v_tok_sc = tl.load(vs_ptr + blk * vs_sb + off * vs_st + kv_head * vs_sh)
         p = p * v_tok_sc[None, :]
     acc += _dot(p.to(q.dtype), v.to(q.dtype), FP32_DOT, INTERPRETER)
+    return m_i, l_i, acc
+
+
+@jit
+def _attend_range(
+    start_lo: tl.tensor, start_hi: tl.tensor, hi: tl.tensor,
+    q: tl.tensor, m_i: tl.tensor, l_i: tl.tensor, acc: tl.tensor,
+    q_pos: tl.tensor, row_ok: tl.tensor, tok: tl.tensor, ctx_len: tl.tensor, kv_head: tl.tensor,
+    k_ptr: tl.tensor, k_sb: int, k_head: tl.tensor, k_sth: int, k_stl: int, k_dim: tl.tensor,
+    v_ptr: tl.tensor, v_sb: int, v_head: tl.tensor, v_sth: int, v_stl: int, v_dim: tl.tensor,
+    ks_ptr: tl.tensor, ks_sb: int, ks_st: int, ks_sh: int, k_sc: tl.tensor,
+    vs_ptr: tl.tensor, vs_sb: int, vs_st: int, vs_sh: int,
+    bt_row: tl.tensor, tree_ptr: tl.tensor, tree_s: int,
+    qk_scale: float, softcap_log2: float, window: int,
+    BLOCK_N: tl.constexpr, HEAD_K: tl.constexpr, HEAD_V: tl.constexpr,
+    HEAD_K_PAD: tl.constexpr, HEAD_V_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    K_TS: tl.constexpr, V_TS: tl.constexpr,
+    DEQUANT: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
+    INTERPRETER: tl.constexpr, MASKED: tl.constexpr,
+) -> tl.tensor:
+    """Tiles starting at ``start_lo, start_lo + BLOCK_N, ... < start_hi`` (keys clipped to
+    ``hi``), each through :func:`_attend_tile`. Returns the updated ``(m_i, l_i, acc)``."""
+    # Numpy 2 rejects range() over the interpreter's 1-element scalars, so the
+    # interpreter runs the same tile body under a while loop; compiled code keeps
+    # the for loop, which Triton software-pipelines.
+    if INTERPRETER:
+        start = start_lo
+        while start < start_hi:
+            m_i, l_i, acc = _attend_tile(
+                start, hi, q, m_i, l_i, acc, q_pos, row_ok, tok, ctx_len, kv_head,
+                k_ptr, k_sb, k_head, k_sth, k_stl, k_dim, v_ptr, v_sb, v_head, v_sth, v_stl, v_dim,
+                ks_ptr, ks_sb, ks_st, ks_sh, k_sc, vs_ptr, vs_sb, vs_st, vs_sh,
+                bt_row, tree_ptr, tree_s, qk_scale, softcap_log2, window,
+                BLOCK_N, HEAD_K, HEAD_V, HEAD_K_PAD, HEAD_V_PAD, BLOCK_SIZE, K_TS, V_TS,
+                DEQUANT, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_TREE, FP32_DOT, INTERPRETER,
+                MASKED,
+            )
+            start += BLOCK_N
+    else:
+        for start in range(start_lo, start_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                start, hi, q, m_i, l_i, acc, q_pos, row_ok, tok, ctx_len, kv_head,
+                k_ptr, k_sb, k_head, k_sth, k_stl, k_dim, v_ptr, v_sb, v_head, v_sth, v_stl, v_dim,
+                ks_ptr, ks_sb, ks_st, ks_sh, k_sc, vs_ptr, vs_sb, vs_st, vs_sh,
+                bt_row, tree_ptr, tree_s, qk_scale, softcap_log2, window,
+                BLOCK_N, HEAD_K, HEAD_V, HEAD_K_PAD, HEAD_V_PAD, BLOCK_SIZE, K_TS, V_TS,
+                DEQUANT, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_TREE, FP32_DOT, INTERPRETER,
+                MASKED,
+            )
     return m_i, l_i, acc
 
 
@@ -187,6 +260,7 @@ def paged_attention_kernel(
     DEQUANT: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
     NUM_SPLITS: tl.constexpr, INTERPRETER: tl.constexpr,
+    SPLIT_MASKS: tl.constexpr = False,
 ) -> None:
     """Grid ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads, NUM_SPLITS)``.
 
@@ -256,31 +330,49 @@ def paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_V_PAD], tl.float32)
 
-    # Numpy 2 rejects range() over the interpreter's 1-element scalars, so the
-    # interpreter runs the same tile body under a while loop; compiled code keeps
-    # the for loop, which Triton software-pipelines.
-    if INTERPRETER:
-        start = lo
-        while start < hi:
-            m_i, l_i, acc = _attend_tile(
-                start, hi, q, m_i, l_i, acc, q_pos, row_ok, tok, ctx_len, kv_head,
-                k_ptr, k_sb, k_head, k_sth, k_stl, k_dim, v_ptr, v_sb, v_head, v_sth, v_stl, v_dim,
-                ks_ptr, ks_sb, ks_st, ks_sh, k_sc, vs_ptr, vs_sb, vs_st, vs_sh,
-                bt_row, tree_ptr, tree_s, qk_scale, softcap_log2, window,
-                BLOCK_N, HEAD_K, HEAD_V, HEAD_K_PAD, HEAD_V_PAD, BLOCK_SIZE, K_TS, V_TS,
-                DEQUANT, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_TREE, FP32_DOT, INTERPRETER,
-            )
-            start += BLOCK_N
+    if SPLIT_MASKS:
+        # Keys every row of the tile sees: below the first query (causal), below the
+        # draft tree (tree), inside the last query's window. Their tiles skip all masks;
+        # only the tiles at the edges of the range build them.
+        full_lo = lo
+        full_hi = hi
+        if CAUSAL:
+            full_hi = tl.minimum(full_hi, first_q + 1)
+        if HAS_TREE:
+            full_hi = tl.minimum(full_hi, ctx_len)
+        if HAS_WINDOW:
+            full_lo = tl.maximum(full_lo, last_q - window + 1)
+        in_lo = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
+        in_hi = tl.maximum(lo + (tl.maximum(full_hi - lo, 0) // BLOCK_N) * BLOCK_N, in_lo)
+        m_i, l_i, acc = _attend_range(
+            lo, in_lo, hi, q, m_i, l_i, acc, q_pos, row_ok, tok, ctx_len, kv_head,
+            k_ptr, k_sb, k_head, k_sth, k_stl, k_dim, v_ptr, v_sb, v_head, v_sth, v_stl, v_dim,
+            ks_ptr, ks_sb, ks_st, ks_sh, k_sc, vs_ptr, vs_sb, vs_st, vs_sh,
+            bt_row, tree_ptr, tree_s, qk_scale, softcap_log2, window,
+            BLOCK_N, HEAD_K, HEAD_V, HEAD_K_PAD, HEAD_V_PAD, BLOCK_SIZE, K_TS, V_TS,
+            DEQUANT, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_TREE, FP32_DOT, INTERPRETER, True)
+        m_i, l_i, acc = _attend_range(
+            in_lo, in_hi, hi, q, m_i, l_i, acc, q_pos, row_ok, tok, ctx_len, kv_head,
+            k_ptr, k_sb, k_head, k_sth, k_stl, k_dim, v_ptr, v_sb, v_head, v_sth, v_stl, v_dim,
+            ks_ptr, ks_sb, ks_st, ks_sh, k_sc, vs_ptr, vs_sb, vs_st, vs_sh,
+            bt_row, tree_ptr, tree_s, qk_scale, softcap_log2, window,
+            BLOCK_N, HEAD_K, HEAD_V, HEAD_K_PAD, HEAD_V_PAD, BLOCK_SIZE, K_TS, V_TS,
+            DEQUANT, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_TREE, FP32_DOT, INTERPRETER, False)
+        m_i, l_i, acc = _attend_range(
+            in_hi, hi, hi, q, m_i, l_i, acc, q_pos, row_ok, tok, ctx_len, kv_head,
+            k_ptr, k_sb, k_head, k_sth, k_stl, k_dim, v_ptr, v_sb, v_head, v_sth, v_stl, v_dim,
+            ks_ptr, ks_sb, ks_st, ks_sh, k_sc, vs_ptr, vs_sb, vs_st, vs_sh,
+            bt_row, tree_ptr, tree_s, qk_scale, softcap_log2, window,
+            BLOCK_N, HEAD_K, HEAD_V, HEAD_K_PAD, HEAD_V_PAD, BLOCK_SIZE, K_TS, V_TS,
+            DEQUANT, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_TREE, FP32_DOT, INTERPRETER, True)
     else:
-        for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                start, hi, q, m_i, l_i, acc, q_pos, row_ok, tok, ctx_len, kv_head,
-                k_ptr, k_sb, k_head, k_sth, k_stl, k_dim, v_ptr, v_sb, v_head, v_sth, v_stl, v_dim,
-                ks_ptr, ks_sb, ks_st, ks_sh, k_sc, vs_ptr, vs_sb, vs_st, vs_sh,
-                bt_row, tree_ptr, tree_s, qk_scale, softcap_log2, window,
-                BLOCK_N, HEAD_K, HEAD_V, HEAD_K_PAD, HEAD_V_PAD, BLOCK_SIZE, K_TS, V_TS,
-                DEQUANT, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_TREE, FP32_DOT, INTERPRETER,
-            )
+        m_i, l_i, acc = _attend_range(
+            lo, hi, hi, q, m_i, l_i, acc, q_pos, row_ok, tok, ctx_len, kv_head,
+            k_ptr, k_sb, k_head, k_sth, k_stl, k_dim, v_ptr, v_sb, v_head, v_sth, v_stl, v_dim,
+            ks_ptr, ks_sb, ks_st, ks_sh, k_sc, vs_ptr, vs_sb, vs_st, vs_sh,
+            bt_row, tree_ptr, tree_s, qk_scale, softcap_log2, window,
+            BLOCK_N, HEAD_K, HEAD_V, HEAD_K_PAD, HEAD_V_PAD, BLOCK_SIZE, K_TS, V_TS,
+            DEQUANT, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_TREE, FP32_DOT, INTERPRETER, True)
 
     if DEQUANT == 1:
         acc = acc * v_sc
