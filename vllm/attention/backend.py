@@ -37,6 +37,7 @@ from vllm.attention.types import (
     KVCacheLayout,
     KVQuant,
     cache_storage_dtype,
+    declared_spelling,
     parse_kv_cache_dtype,
 )
 
@@ -577,9 +578,11 @@ class AttentionBackend(abc.ABC, Generic[M]):
             reasons.append(f"head_size={head_size}, {n} needs {cls.head_sizes.describe()}")
         if not cls.block_sizes.admits(block_size):
             reasons.append(f"block_size={block_size}, {n} needs {cls.block_sizes.describe()}")
-        if kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+        if cls.cache_dtype_spelling(kv_cache_dtype, dtype) is None:
             allowed = ", ".join(sorted(cls.supported_kv_cache_dtypes))
-            reasons.append(f"kv_cache_dtype={kv_cache_dtype!r}, {n} needs one of {allowed}")
+            reasons.append(f"kv_cache_dtype={kv_cache_dtype!r}, {n} needs one of {allowed} "
+                           "(or another spelling of one: fp8 = fp8_e4m3; bfloat16 / float16 "
+                           "= auto for a model of that dtype)")
         if attn_type not in cls.attention_types:
             allowed = ", ".join(sorted(t.value for t in cls.attention_types))
             reasons.append(f"attn_type={attn_type.value}, {n} supports {allowed}")
@@ -594,6 +597,18 @@ class AttentionBackend(abc.ABC, Generic[M]):
         if device is not None:
             reasons.extend(cls.device_unsupported_reasons(device))
         return reasons
+
+    @classmethod
+    def cache_dtype_spelling(cls, kv_cache_dtype: str,
+                             model_dtype: torch.dtype | None = None) -> KVCacheDType | None:
+        """``kv_cache_dtype`` as this backend declares it (``fp8_e4m3`` is ``fp8`` where
+        ``fp8`` is declared; ``bfloat16`` / ``float16`` are ``auto`` for a model of that
+        dtype), or None when the backend stores no such format."""
+        try:
+            parsed = parse_kv_cache_dtype(kv_cache_dtype, model_dtype=model_dtype)
+        except InvalidArgumentError:
+            return None
+        return declared_spelling(parsed, cls.supported_kv_cache_dtypes)
 
     @classmethod
     def device_unsupported_reasons(cls, device: torch.device) -> list[str]:
@@ -677,11 +692,12 @@ def allocate_kv_cache(
     if num_kv_heads <= 0:
         raise InvalidArgumentError("num_kv_heads", num_kv_heads, "a positive int")
     dev = torch.device(device)
-    parsed = parse_kv_cache_dtype(cache_dtype, argument="cache_dtype")
+    parsed = parse_kv_cache_dtype(cache_dtype, argument="cache_dtype", model_dtype=model_dtype)
     check_supported(
         backend, dtype=model_dtype, head_size=head_size, block_size=block_size,
         kv_cache_dtype=parsed,
     )
+    parsed = backend.cache_dtype_spelling(parsed) or parsed
     shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, parsed)
     order = backend.get_kv_cache_stride_order()
     physical = torch.empty(

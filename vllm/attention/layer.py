@@ -13,6 +13,7 @@ before the write. Under ``torch.compile`` the write and the compute run as the
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -72,6 +73,15 @@ def _scale_tensor(name: str, scale: float | torch.Tensor | None, num_kv_heads: i
             name, scale, f"a positive finite float or [1] / [num_kv_heads={num_kv_heads}] tensor"
         )
     return t
+
+
+def _cache_dtype_for(backend: object, kv_cache_dtype: str) -> KVCacheDType:
+    """``kv_cache_dtype`` in the spelling ``backend`` declares (``fp8_e4m3`` -> ``fp8``,
+    ``bfloat16`` -> ``auto``), so its code sees only its own spellings."""
+    parsed = parse_kv_cache_dtype(kv_cache_dtype)
+    if isinstance(backend, type) and issubclass(backend, AttentionBackend):
+        return backend.cache_dtype_spelling(parsed) or parsed
+    return parsed  # not a backend: the layer's own check names it
 
 
 class _LayerBase(nn.Module):
@@ -256,7 +266,7 @@ class Attention(_LayerBase):
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             attn_type=attn_type,
-            kv_cache_dtype=parse_kv_cache_dtype(kv_cache_dtype),
+            kv_cache_dtype=_cache_dtype_for(backend, kv_cache_dtype),
             kv_sharing_target_layer_name=kv_sharing_target_layer_name,
         )
         super().__init__(backend=backend, spec=spec, layer_name=layer_name,
@@ -422,6 +432,9 @@ class MLAAttention(_LayerBase):
         k_scale: float | torch.Tensor | None = None,
         checked: bool | None = None,
     ) -> None:
+        spelled = _cache_dtype_for(backend, spec.kv_cache_dtype)
+        if spelled != spec.kv_cache_dtype:
+            spec = dataclasses.replace(spec, kv_cache_dtype=spelled)
         super().__init__(backend=backend, spec=spec, layer_name=layer_name,
                          k_scale=k_scale, v_scale=k_scale, checked=checked)
         writer = backend.get_kv_cache_writer(spec.kv_cache_dtype)

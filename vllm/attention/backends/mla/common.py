@@ -581,11 +581,13 @@ class MLABackend(AttentionBackend[MM]):
         cls, cache_dtype: KVCacheDType = "auto"
     ) -> KVCacheWriter | MLAKVCacheWriter:
         """The latent writer (``auto`` / fp8) or the 656-byte ``fp8_ds_mla`` writer."""
-        if cache_dtype not in cls.supported_kv_cache_dtypes:
+        spelled = cls.cache_dtype_spelling(cache_dtype)
+        if spelled is None:
             raise InvalidArgumentError(
                 "cache_dtype", cache_dtype,
                 f"one of {', '.join(sorted(cls.supported_kv_cache_dtypes))} for {cls.name}",
             )
+        cache_dtype = spelled
         if cache_dtype == "fp8_ds_mla":
             from vllm.attention.writers.fp8_ds_mla import FP8DsMLACacheWriter
 
