@@ -1,8 +1,9 @@
 """The Triton kernel's prefill launches: key tiles every row of a query tile sees run
-without masks (``split_masks``), only the edge tiles build them. Against float64
-attention over the dequantised cache, under the interpreter (small) and on CUDA (gpu),
-with configs that put interior tiles before, between and after masked ones: causal
-diagonals, window starts, draft trees, pages smaller than a key tile, padded heads."""
+without masks (``split_masks``), only the edge tiles build them; query tiles run last
+first (``reverse_tiles``). Against float64 attention over the dequantised cache, under
+the interpreter (small) and on CUDA (gpu), with configs that put interior tiles before,
+between and after masked ones: causal diagonals, window starts, draft trees, pages
+smaller than a key tile, padded heads."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _run(case: Case, device: str, *, block_m: int, block_n: int, split_masks: bo
     b = build(case, device)
     out = b.new_output()
     cfg = TritonLaunchConfig(block_m=block_m, block_n=block_n, num_splits=1,
-                             num_warps=4, num_stages=2, split_masks=split_masks)
+                             num_warps=4, num_stages=2, split_masks=split_masks,
+                             reverse_tiles=split_masks)
     paged_attention_triton(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
                            causal=case.causal, sliding_window=case.sliding_window,
                            logits_soft_cap=case.logits_soft_cap, tree_mask=b.tree_mask,
@@ -70,8 +72,10 @@ def test_prefill_launches_split_masks_decode_launches_do_not() -> None:
 
     kv = build(Case(L.SPLIT_NHD, num_kv_heads=2, group=4, head_size=32)).kv
     args = dict(num_heads=8, num_reqs=2, max_seq_len=8192, query_dtype=torch.bfloat16)
-    assert choose_config(kv, max_query_len=512, **args).split_masks  # type: ignore[arg-type]
-    assert not choose_config(kv, max_query_len=1, **args).split_masks  # type: ignore[arg-type]
+    pre = choose_config(kv, max_query_len=512, **args)  # type: ignore[arg-type]
+    dec = choose_config(kv, max_query_len=1, **args)  # type: ignore[arg-type]
+    assert pre.split_masks and pre.reverse_tiles
+    assert not dec.split_masks and not dec.reverse_tiles
 
 
 GPU = [

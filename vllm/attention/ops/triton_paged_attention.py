@@ -92,6 +92,8 @@ class TritonLaunchConfig:
     """Run the key tiles every row sees without masks, masking only the edge tiles
     (the causal diagonal, the window's start, the last partial tile). Prefill only:
     decode launches keep the one masked loop they were tuned with."""
+    reverse_tiles: bool = False
+    """Launch query tiles last-first, so the longest (causal) tiles start first."""
 
 
 def _pow2(n: int) -> int:
@@ -163,7 +165,8 @@ def choose_config(
         raise InvalidArgumentError("num_splits", num_splits, ">= 1")
     num_warps = 4 if block_m * block_n <= 64 * 64 else 8
     return TritonLaunchConfig(block_m=block_m, block_n=block_n, num_splits=num_splits,
-                              num_warps=num_warps, num_stages=3, split_masks=not decode)
+                              num_warps=num_warps, num_stages=3, split_masks=not decode,
+                              reverse_tiles=not decode)
 
 
 def paged_attention_triton(
@@ -275,6 +278,7 @@ def paged_attention_triton(
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logits_soft_cap is not None,
         HAS_TREE=tree_mask is not None, FP32_DOT=q.dtype == torch.float32,
         NUM_SPLITS=splits, INTERPRETER=interpreter_active(), SPLIT_MASKS=cfg.split_masks,
+        REVERSE_TILES=cfg.reverse_tiles,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

@@ -260,7 +260,7 @@ def paged_attention_kernel(
     DEQUANT: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
     NUM_SPLITS: tl.constexpr, INTERPRETER: tl.constexpr,
-    SPLIT_MASKS: tl.constexpr = False,
+    SPLIT_MASKS: tl.constexpr = False, REVERSE_TILES: tl.constexpr = False,
 ) -> None:
     """Grid ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads, NUM_SPLITS)``.
 
@@ -270,8 +270,14 @@ def paged_attention_kernel(
     ``softcap_log2``: ``cap * log2(e)``. With ``NUM_SPLITS > 1``, ``out_ptr`` is the
     float32 partial accumulator ``[num_tokens, Hq, NUM_SPLITS, HEAD_V]`` and
     ``ws_m_ptr``/``ws_l_ptr`` the ``[num_tokens, Hq, NUM_SPLITS]`` max / sum (log2 units).
+    ``SPLIT_MASKS`` (mask only the edge key tiles) and ``REVERSE_TILES`` (last query
+    tiles first) are the prefill launches' options (``TritonLaunchConfig``).
     """
     pid = tl.program_id(0)
+    if REVERSE_TILES:
+        # A request's last query tiles see the most keys (causal): start them first so
+        # the grid's last wave holds short tiles, not long ones.
+        pid = tl.num_programs(0) - 1 - pid
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
