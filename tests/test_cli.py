@@ -3,6 +3,11 @@ header and summary. (``generate`` is tested in tests/runner/test_cli.py.)"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -65,3 +70,17 @@ def test_check_says_it_is_the_kit_and_what_ran_on_cpu(capsys: pytest.CaptureFixt
                         "on a machine with a GPU")
     assert lines[1].startswith("PASS TORCH_REF [cpu] status=migrated compute=torch")
     assert lines[-1] == "1 passed, 0 failed"
+
+
+def test_a_reader_that_left_gets_no_traceback() -> None:
+    """``vllm-attn backends | head -1``: the pipe closes under the writer (here before
+    its first line, so that the write fails whatever the buffering)."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.cli", "backends", "--device", "cpu"],
+                            cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
