@@ -20,7 +20,7 @@ import torch
 from vllm.attention.types import KVCacheDType
 
 if TYPE_CHECKING:
-    from vllm.attention.backends.mla.common import MLALayerSpec
+    from vllm.attention.backends.mla.spec import MLALayerSpec
     from vllm.attention.ops.mla_attention import LatentFormat
 
 _LATENT, _ROPE = 512, 64
