@@ -714,7 +714,11 @@ def num_blocks_for(tokens: int, block_size: int) -> int:
 _NB_PROBE = 7919  # a prime no other axis of a probe shape can equal
 
 
+def block_axis(backend: type[AttentionBackend[M]]) -> int:
+    """The axis of ``num_blocks`` in ``backend``'s logical cache shape (not always 0)."""
+    return backend.get_kv_cache_shape(_NB_PROBE, 16, 1, 8).index(_NB_PROBE)
+
+
 def num_blocks_of(backend: type[AttentionBackend[M]], kv_cache: torch.Tensor) -> int:
-    """``num_blocks`` of a cache in ``backend``'s logical shape (nb is not always axis 0)."""
-    probe = backend.get_kv_cache_shape(_NB_PROBE, 16, 1, 8)
-    return int(kv_cache.shape[probe.index(_NB_PROBE)])
+    """``num_blocks`` of a cache in ``backend``'s logical shape."""
+    return int(kv_cache.shape[block_axis(backend)])

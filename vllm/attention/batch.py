@@ -1,6 +1,7 @@
 """Build a paged batch (block tables, metadata, slot mappings) for tests, the
 conformance kit and benchmarks. The runner has its own allocator; this one
-places each request's blocks at random, distinct block ids."""
+places each request's blocks at random, distinct block ids, never block 0 (the null
+block, as in vLLM: block-table padding points there)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def make_paged_batch(
     total = max(needed + 1, num_blocks or 0)
     if num_blocks is not None and num_blocks < needed:
         raise InvalidArgumentError("num_blocks", num_blocks, f">= {needed} for this batch")
-    perm = torch.randperm(total, generator=generator).tolist()
+    # block 0 is the null block (vLLM's convention): never given to a request
+    perm = (torch.randperm(total - 1, generator=generator) + 1).tolist()
     width = max(blocks_per + [1])
     table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     new_slots: list[int] = []

@@ -23,7 +23,12 @@ from typing import Any
 
 import torch
 
-from vllm.attention.backend import AttentionBackend, allocate_kv_cache, dtype_name
+from vllm.attention.backend import (
+    AttentionBackend,
+    allocate_kv_cache,
+    block_axis,
+    dtype_name,
+)
 from vllm.attention.batch import make_paged_batch
 from vllm.attention.errors import AttentionError
 from vllm.attention.layer import Attention
@@ -144,7 +149,14 @@ def _random_cache(backend: AnyBackend, cfg: CheckConfig, num_blocks: int,
     )
     raw = raw_bytes(cache)
     raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
+    null_block(backend, cache).zero_()
     return cache
+
+
+def null_block(backend: AnyBackend, cache: torch.Tensor) -> torch.Tensor:
+    """Block 0 of ``cache`` (a view): the null block, zeroed and never in a block table,
+    as vLLM reserves it (legacy backends may read it for padded block-table entries)."""
+    return cache.select(block_axis(backend), 0)
 
 
 def _same_layout_copy(cache: torch.Tensor) -> torch.Tensor:
@@ -185,12 +197,11 @@ def _check_write(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) ->
     layer.bind_kv_cache(cache, cfg.block_size)
     num_slots = num_blocks * cfg.block_size
     n = min(num_slots - 1, 23)
-    slots = torch.randperm(num_slots, generator=gen)[:n].to(torch.int64)
-    slots[torch.rand(n, generator=gen) < 0.2] = -1
-    slots = slots.to(cfg.device)
+    slots = padded_slots(torch.randperm(num_slots, generator=gen)[:n].to(torch.int64), gen,
+                         cfg.device)
     dv = cfg.head_size_v or cfg.head_size
-    key = _randn((n + 3, cfg.num_kv_heads, cfg.head_size), cfg, gen)
-    value = _randn((n + 3, cfg.num_kv_heads, dv), cfg, gen)
+    key = _randn((slots.shape[0] + 3, cfg.num_kv_heads, cfg.head_size), cfg, gen)
+    value = _randn((slots.shape[0] + 3, cfg.num_kv_heads, dv), cfg, gen)
     expected = _same_layout_copy(cache)
     layer.kv_cache_writer.write(key, value, cache, slots, layer.kv_quant)
     layout = backend.kv_cache_layout_for(cfg.cache_dtype)
@@ -213,6 +224,76 @@ def _check_write(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) ->
             if not torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)):
                 failures.append(f"{cfg.id} write: stored {name} rows differ from TORCH_REF's")
     return failures
+
+
+PAD_ROWS = 3
+"""Slots of -1 past the real tokens: vLLM pads a CUDA-graph step's slot mapping so."""
+
+
+def padded_slots(slots: torch.Tensor, gen: torch.Generator, device: str) -> torch.Tensor:
+    """``slots`` (int64 ``[T]``) with about a fifth of the tokens set to -1 (skipped:
+    DCP, rejected drafts) and :data:`PAD_ROWS` -1 entries appended (padding)."""
+    slots = slots.clone()
+    slots[torch.rand(slots.shape[0], generator=gen) < 0.2] = -1
+    return torch.cat([slots, torch.full((PAD_ROWS,), -1, dtype=torch.int64)]).to(device)
+
+
+def _diff_slots(layout: KVCacheLayout, got: torch.Tensor, want: torch.Tensor, num_slots: int,
+                cfg: CheckConfig) -> list[int]:
+    """The slots whose stored rows differ between two caches of one layout."""
+    every = torch.arange(num_slots, dtype=torch.int64, device=got.device)
+    kw: dict[str, Any] = dict(num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_size,
+                              head_size_v=cfg.head_size_v)
+    differ = torch.zeros(num_slots, dtype=torch.bool)
+    for g, w in zip(read_slots(layout, got, every, **kw), read_slots(layout, want, every, **kw)):
+        g8 = g.contiguous().view(torch.uint8).reshape(num_slots, -1).cpu()
+        w8 = w.contiguous().view(torch.uint8).reshape(num_slots, -1).cpu()
+        differ |= (g8 != w8).any(dim=1)
+    return [int(i) for i in differ.nonzero().flatten()]
+
+
+def _check_legacy_write(backend: AnyBackend, cfg: CheckConfig,
+                        gen: torch.Generator) -> list[str]:
+    """What a fused legacy backend's own ``forward`` writes, against the reference writer,
+    for a prefill + decode step whose slot mapping holds -1 among the real tokens and
+    -1 padding past them. A -1 slot written anywhere is named."""
+    bs = cfg.block_size
+    batch = make_paged_batch([bs + 3, 1, 2], [0, bs + 1, 3], block_size=bs,
+                             device=cfg.device, generator=gen)
+    # one block past the batch's: a -1 slot that wraps lands in a block no request owns
+    num_blocks = batch.num_blocks + 1
+    cache = _random_cache(backend, cfg, num_blocks, gen)
+    layer = _make_layer(backend, cfg, gen)
+    layer.bind_kv_cache(cache, bs)
+    slots = padded_slots(batch.new_slots.cpu(), gen, cfg.device)
+    rows = slots.shape[0]
+    dv = cfg.head_size_v or cfg.head_size
+    key = _randn((rows, cfg.num_kv_heads, cfg.head_size), cfg, gen)
+    value = _randn((rows, cfg.num_kv_heads, dv), cfg, gen)
+    q = _randn((rows, cfg.num_heads, cfg.head_size), cfg, gen)
+    meta = backend.get_builder_cls()(layer.spec, torch.device(cfg.device)).build(batch.common)
+    expected = _same_layout_copy(cache)
+    layout = backend.kv_cache_layout_for(cfg.cache_dtype)
+    reference_write(layout, key, value, expected, slots, layer.kv_quant)
+    out = torch.zeros((rows, cfg.num_heads, dv), dtype=cfg.dtype, device=cfg.device)
+    name = layer.layer_name
+    with set_forward_context(attn_metadata={name: meta}, slot_mapping={name: slots}):
+        layer.impl.forward(layer, q, key, value, cache, meta, out)
+    if torch.equal(raw_bytes(cache), raw_bytes(expected)):
+        return []
+    num_slots = num_blocks * bs
+    valid = set(int(s) for s in slots.tolist() if s >= 0)
+    failures = []
+    for slot in _diff_slots(layout, cache, expected, num_slots, cfg):
+        where = f"slot {slot} (block {slot // bs}, offset {slot % bs})"
+        if slot in valid:
+            failures.append(f"{cfg.id} legacy write: {where} differs from what the reference "
+                            "writer stores for its token")
+        else:
+            failures.append(f"{cfg.id} legacy write: forward() wrote {where}, which no token "
+                            "maps to: a -1 (padding or skipped) slot written there?")
+    return failures or [f"{cfg.id} legacy write: the cache bytes differ from the reference "
+                        "writer's outside every slot's rows"]
 
 
 def exercised_features(cfg: CheckConfig) -> str:
@@ -344,8 +425,12 @@ def _torch_ref() -> AnyBackend:
 def check_config(backend: AnyBackend, cfg: CheckConfig, *, seed: int = 0) -> list[str]:
     """Failures of one configuration (empty: it conforms)."""
     gen = torch.Generator().manual_seed(seed)
+    fused_legacy = getattr(getattr(backend, "legacy_generation", None), "value", None) == "fused"
     try:
-        return _check_write(backend, cfg, gen) + _check_compute(backend, cfg, gen)
+        failures = _check_write(backend, cfg, gen) + _check_compute(backend, cfg, gen)
+        if fused_legacy and cfg.attn_type is AttentionType.DECODER:
+            failures += _check_legacy_write(backend, cfg, gen)
+        return failures
     except Exception as exc:  # a crash is a failure of this config, reported with its cause
         return [f"{cfg.id}: raised {_one_line(exc)}"]
 
@@ -408,6 +493,13 @@ def check_backend(backend: AnyBackend | str, device: str | torch.device = "cpu",
         return report
     grid = conformance_grid(cls, str(dev), thorough=thorough)
     for i, cfg in enumerate(grid[:max_configs]):
+        refused = cls.unsupported_reasons(
+            dtype=cfg.dtype, head_size=cfg.head_size, block_size=cfg.block_size,
+            kv_cache_dtype=cfg.cache_dtype, attn_type=cfg.attn_type,
+            sliding_window=cfg.sliding_window, logits_soft_cap=cfg.logits_soft_cap, device=dev)
+        if refused:  # declared (or, for a legacy backend, raised by its impl) as unsupported
+            report.skipped.append(f"{cfg.id}: " + "; ".join(refused))
+            continue
         failures = check_config(cls, cfg, seed=seed + i)
         if failures:
             report.failures.extend(failures)
