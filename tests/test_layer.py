@@ -19,6 +19,7 @@ from vllm.attention import (
 )
 from vllm.attention.backends.torch_ref import TorchRefBackend
 from vllm.attention.batch import make_paged_batch
+from vllm.attention.conformance import null_block
 from vllm.attention.layer import Attention
 from vllm.attention.types import AttentionType
 from vllm.forward_context import ForwardContext, set_forward_context
@@ -48,7 +49,11 @@ def _setup(attn_type: AttentionType = AttentionType.DECODER, sharing: str | None
                               num_kv_heads=H, head_size=D, model_dtype=torch.float32,
                               device="cpu")
     fill_random_bytes(cache, 5)
+    null_block(TorchRefBackend, cache).zero_()  # vLLM's convention: block-table padding reads it
     layer.bind_kv_cache(cache, BS)
+    ctx = torch.randn(batch.context_slots.numel(), H, D,
+                      generator=torch.Generator().manual_seed(2))
+    layer.kv_cache_writer.write(ctx, ctx, cache, batch.context_slots, layer.kv_quant)
     meta = TorchRefBackend.get_builder_cls()(layer.spec, torch.device("cpu")).build(batch.common)
     n = batch.common.num_actual_tokens
     g = torch.Generator().manual_seed(1)
