@@ -1,12 +1,14 @@
 """Triton MLA attention over the latent cache: dense decode and sparse top-k.
 
-One kernel serves both (``IS_SPARSE``): each program takes one query token, a
-block of heads and one split of that token's keys (split-K, so a long context
-spreads over many programs), runs an online softmax over the latent rows and
-writes a partial output and its log-sum-exp; a second kernel merges the splits.
-Cache formats are dequantised in the kernel: native float, scaled fp8 (read as
-bytes and bit-cast), and the 656-byte ``fp8_ds_mla`` entry (E4M3 latent times its
-128-wide tile scale, 16-bit rope). Triton is imported on first use only.
+Dense decode runs the tensor-core kernel of :mod:`vllm.attention.ops.triton_mla_decode`
+wherever it applies (native 16-bit and float32 caches, scaled fp8). The per-row
+kernel here serves the sparse top-k path and the ``fp8_ds_mla`` entry (one kernel,
+``IS_SPARSE``): each program takes one query token, a block of 16 heads and one
+split of that token's keys, runs an online softmax over the latent rows and writes
+a partial output and its log-sum-exp; a second kernel merges the splits. Cache
+formats are dequantised in the kernel: native float, scaled fp8 (read as bytes and
+bit-cast), and the 656-byte ``fp8_ds_mla`` entry (E4M3 latent times its 128-wide
+tile scale, 16-bit rope). Triton is imported on first use only.
 """
 
 from __future__ import annotations
@@ -112,9 +114,10 @@ def _launch(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
 
 def mla_decode_triton(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       token_req: torch.Tensor, token_pos: torch.Tensor, fmt: LatentFormat, *,
-                      scale: float, max_seq_len: int,
-                      num_splits: int | None = None) -> torch.Tensor:
-    """Dense absorbed decode, causal.
+                      scale: float, max_seq_len: int, num_splits: int | None = None,
+                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dense absorbed decode, causal: the tensor-core kernel where it applies, else
+    (``fp8_ds_mla``) the per-row kernel.
 
     Args:
         q_lat: ``[Td, N, L + R]`` (model dtype).
@@ -123,9 +126,29 @@ def mla_decode_triton(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: 
         token_req / token_pos: ``[Td]`` int32; token ``i`` sees positions ``0..token_pos[i]``
             of request ``token_req[i]``.
         max_seq_len: the longest context (sizes the split).
+        out_dtype: the result's dtype.
     Returns:
-        ``[Td, N, L]`` float32.
+        ``[Td, N, L]`` in ``out_dtype``.
     """
+    from vllm.attention.ops.triton_mla_decode import mla_decode_mma, unsupported_reasons
+
+    if not unsupported_reasons(fmt, q_lat.dtype):
+        return mla_decode_mma(q_lat, kv_cache, block_table, token_req, token_pos, fmt,
+                              scale=scale, max_seq_len=max_seq_len, num_splits=num_splits,
+                              out_dtype=out_dtype)
+    return mla_decode_per_row(q_lat, kv_cache, block_table, token_req, token_pos, fmt,
+                              scale=scale, max_seq_len=max_seq_len,
+                              num_splits=num_splits).to(out_dtype)
+
+
+def mla_decode_per_row(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                       token_req: torch.Tensor, token_pos: torch.Tensor, fmt: LatentFormat, *,
+                       scale: float, max_seq_len: int,
+                       num_splits: int | None = None) -> torch.Tensor:
+    """Dense absorbed decode on the per-row kernel (16 heads a program, every cache
+    format): the ``fp8_ds_mla`` path of :func:`mla_decode_triton`, and the baseline
+    ``benchmarks/bench_mla_decode.py`` reports. Arguments as there; returns
+    ``[Td, N, L]`` float32."""
     return _launch(q_lat, kv_cache, block_table, token_req, token_pos, None, fmt, scale,
                    max_seq_len, num_splits)
 

@@ -344,7 +344,8 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
 
     def _decode(self, path: ComputePath, q_lat: torch.Tensor, kv_cache: torch.Tensor,
                 meta: MLAMetadata, fmt: LatentFormat) -> torch.Tensor:
-        """``q_lat`` ``[Td, N, L + R]`` -> ``[Td, N, L]`` on ``path``."""
+        """``q_lat`` ``[Td, N, L + R]`` -> ``[Td, N, L]`` on ``path`` (float32, or the
+        model dtype on the Triton path)."""
         scale = self.mla.scale
         if path == "torch":
             return mla_decode_torch(q_lat, kv_cache, meta.block_table, meta.decode_groups, fmt,
@@ -352,10 +353,10 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
         if path == "triton":
             from vllm.attention.ops.triton_mla import mla_decode_triton
 
+            # the model dtype is what the output projection takes
             return mla_decode_triton(
                 q_lat, kv_cache, meta.block_table, meta.decode_token_req, meta.decode_token_pos,
-                fmt, scale=scale,
-                max_seq_len=meta.max_decode_seq_len,
+                fmt, scale=scale, max_seq_len=meta.max_decode_seq_len, out_dtype=q_lat.dtype,
             )
         v = self.vendor
         if v is None or path != v.name:

@@ -1,0 +1,260 @@
+"""The tensor-core MLA decode kernel (``ops/triton_mla_decode.py``) under Triton's CPU
+interpreter, small shapes, against a float64 reference over the same cache.
+
+Every cache slot no request owns holds NaN bytes, so a read past a request's last
+position (a partial tile, an empty split) shows up as NaN in the output. The cases
+cover both latent layouts (one chunk, and two chunks as DeepSeek's 512 takes), TMA
+and pointer loads, tiles inside and across pages, one split and many, the value
+split, and every cache format the kernel takes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from tests.mla.conftest import HAVE_TRITON
+from vllm.attention import InvalidArgumentError
+from vllm.attention.ops.mla_attention import LatentFormat
+from vllm.attention.registry import get_backend
+
+if HAVE_TRITON and not torch.cuda.is_available():
+    # at collection, before anything imports triton (see test_triton_interpreter.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# (request, position) of each decode token: one key only, two tokens of one request,
+# a context of exactly four pages, and contexts that end inside a page
+TOKENS = [(0, 0), (1, 35), (1, 36), (2, 63), (3, 16)]
+SEQ_LENS = [1, 37, 64, 17]
+
+
+@dataclass(frozen=True)
+class Case:
+    cache_dtype: str
+    dtype: torch.dtype
+    L: int
+    R: int
+    heads: int
+    page: int
+    splits: int
+    block_n: int = 16
+    v_split: int = 1
+    tma: bool = True
+    hw_fp8: bool = True
+
+    @property
+    def id(self) -> str:
+        extra = "".join([f"-bn{self.block_n}" if self.block_n != 16 else "",
+                         "-vsplit" if self.v_split == 2 else "",
+                         "" if self.tma else "-notma", "" if self.hw_fp8 else "-softfp8"])
+        return (f"{str(self.dtype).split('.')[-1]}-{self.cache_dtype}-L{self.L}R{self.R}"
+                f"-H{self.heads}-page{self.page}-s{self.splits}{extra}")
+
+    @property
+    def uses_tma(self) -> bool:
+        return self.tma and self.page % self.block_n == 0
+
+
+CASES = [
+    Case("auto", torch.bfloat16, 32, 16, 3, 16, 1),
+    Case("auto", torch.float32, 24, 8, 3, 16, 2),
+    Case("fp8", torch.float16, 32, 16, 5, 16, 3),
+    Case("fp8", torch.float16, 32, 16, 2, 16, 2, hw_fp8=False),
+    Case("fp8_e5m2", torch.bfloat16, 32, 16, 2, 32, 2, block_n=32),
+    Case("auto", torch.float16, 32, 16, 2, 24, 2),            # tiles cross pages
+    Case("auto", torch.bfloat16, 32, 16, 2, 16, 4, tma=False),
+    Case("auto", torch.bfloat16, 512, 64, 2, 16, 2),          # two latent chunks
+    Case("fp8", torch.bfloat16, 512, 64, 2, 16, 1, v_split=2),
+]
+
+
+def _layout(page: int, g: torch.Generator) -> tuple[torch.Tensor, int]:
+    """A block table over shuffled blocks (one spare block owned by no request)."""
+    counts = [-(-s // page) for s in SEQ_LENS]
+    nb = sum(counts) + 1
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    bt = torch.full((len(SEQ_LENS), max(counts)), nb - 1, dtype=torch.int32)
+    at = 0
+    for r, c in enumerate(counts):
+        bt[r, :c] = perm[at: at + c]
+        at += c
+    return bt, nb
+
+
+def _cache(case: Case, fmt: LatentFormat, bt: torch.Tensor, nb: int,
+           g: torch.Generator) -> torch.Tensor:
+    """NaN bytes everywhere, then random rows at every request's positions."""
+    storage = _FP8.get(case.cache_dtype, case.dtype)
+    cache = torch.empty(nb, case.page, case.L + case.R, dtype=storage)
+    cache.view(torch.uint8).fill_(0xFF)  # NaN in every float format here
+    for r, n in enumerate(SEQ_LENS):
+        pos = torch.arange(n)
+        rows = torch.randn(n, case.L + case.R, generator=g)
+        if case.cache_dtype in _FP8:
+            rows = rows / fmt.k_scale
+        cache[bt[r, pos // case.page].long(), pos % case.page] = rows.to(storage)
+    return cache
+
+
+def reference(q: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor, tokens: list[Any],
+              fmt: LatentFormat, scale: float) -> torch.Tensor:
+    """float64 ``softmax(scale q k^T) k[:, :L]`` over each token's positions 0..pos."""
+    page = cache.shape[1]
+    out = torch.zeros(q.shape[0], q.shape[1], fmt.kv_lora_rank, dtype=torch.float64)
+    for i, (r, p) in enumerate(tokens):
+        pos = torch.arange(p + 1)
+        keys = cache[bt[r, pos // page].long(), pos % page].double()
+        if fmt.cache_dtype in _FP8:
+            keys = keys * float(fmt.k_scale[0])
+        probs = torch.softmax(q[i].double() @ keys.t() * scale, dim=-1)
+        out[i] = probs @ keys[:, : fmt.kv_lora_rank]
+    return out
+
+
+def _inputs(case: Case, seed: int = 0) -> tuple[LatentFormat, torch.Tensor, torch.Tensor,
+                                                torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    fmt = LatentFormat(case.cache_dtype, case.L, case.R,  # type: ignore[arg-type]
+                       torch.tensor([0.37]), case.dtype)
+    bt, nb = _layout(case.page, g)
+    cache = _cache(case, fmt, bt, nb, g)
+    q = torch.randn(len(TOKENS), case.heads, case.L + case.R, generator=g).to(case.dtype)
+    req = torch.tensor([r for r, _ in TOKENS], dtype=torch.int32)
+    pos = torch.tensor([p for _, p in TOKENS], dtype=torch.int32)
+    return fmt, cache, bt, req, pos, q
+
+
+@pytest.fixture
+def tma_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each launch got TMA descriptors."""
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    seen: list[bool] = []
+    real = tmd._descriptors
+
+    def spy(*args: Any) -> Any:
+        found = real(*args)
+        seen.append(found is not None)
+        return found
+
+    monkeypatch.setattr(tmd, "_descriptors", spy)
+    return seen
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_decode_matches_float64(case: Case, tma_calls: list[bool],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    monkeypatch.setattr(tmd, "_hw_fp8", lambda capability: case.hw_fp8)
+    fmt, cache, bt, req, pos, q = _inputs(case)
+    before = cache.view(torch.uint8).clone()
+    cfg = tmd.MLADecodeConfig(block_h=16, block_n=case.block_n, num_warps=4, num_stages=1,
+                              v_split=case.v_split, tma=case.tma)
+    scale = (case.L + case.R) ** -0.5
+    out = tmd.mla_decode_mma(q, cache, bt, req, pos, fmt, scale=scale,
+                             max_seq_len=max(SEQ_LENS), config=cfg, num_splits=case.splits)
+    ref = reference(q, cache, bt, TOKENS, fmt, scale)
+    assert torch.equal(cache.view(torch.uint8), before)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err < get_backend("TRITON_MLA").tolerances[case.dtype], err
+    assert tma_calls == ([True] if case.uses_tma else [])
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_splits_past_the_keys_and_output_dtype() -> None:
+    """More splits than a token has key tiles: empty splits weigh nothing; the
+    result comes in the requested dtype."""
+    from vllm.attention.ops.triton_mla_decode import mla_decode_mma
+
+    case = Case("auto", torch.float16, 32, 16, 2, 16, 8)
+    fmt, cache, bt, req, pos, q = _inputs(case, seed=1)
+    out = mla_decode_mma(q, cache, bt, req, pos, fmt, scale=0.2, max_seq_len=64, num_splits=8,
+                         out_dtype=torch.float16)
+    ref = reference(q, cache, bt, TOKENS, fmt, 0.2)
+    assert out.dtype == torch.float16
+    assert float((out.double() - ref).norm() / ref.norm()) < 5e-3
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("hw_fp8", [True, False], ids=["hwfp8", "softfp8"])
+def test_e4m3_every_code_widens_exactly(hw_fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All 256 E4M3 codes in the latent of one request's rows: the finite ones widen
+    exactly (float32 dots in the interpreter, so the result matches float64 to
+    rounding), and the NaN code reaches the output as NaN on the software path (the
+    interpreter's own E4M3 conversion reads NaN as 480; the GPU test checks the
+    hardware path)."""
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    monkeypatch.setattr(tmd, "_hw_fp8", lambda capability: hw_fp8)
+    L, R, page = 32, 16, 16
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]  # 254 codes
+    rows = torch.zeros(16, L + R, dtype=torch.uint8)
+    rows.view(-1)[: finite.numel()] = finite
+    cache = rows.view(1, page, L + R).view(torch.float8_e4m3fn)
+    fmt = LatentFormat("fp8", L, R, torch.tensor([0.5]), torch.float32)
+    q = torch.randn(1, 2, L + R, generator=torch.Generator().manual_seed(2)) * 1e-3
+    bt = torch.zeros(1, 1, dtype=torch.int32)
+    one = torch.zeros(1, dtype=torch.int32)
+    pos = torch.full((1,), page - 1, dtype=torch.int32)
+    out = tmd.mla_decode_mma(q, cache, bt, one, pos, fmt, scale=1.0, max_seq_len=page,
+                             num_splits=1)
+    ref = reference(q, cache, bt, [(0, page - 1)], fmt, 1.0)
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+    if hw_fp8:
+        return
+    nan_rows = rows.clone()
+    nan_rows[3, 5] = 0x7F
+    out = tmd.mla_decode_mma(q, nan_rows.view(1, page, L + R).view(torch.float8_e4m3fn), bt,
+                             one, pos, fmt, scale=1.0, max_seq_len=page, num_splits=1)
+    assert torch.isnan(out).all()
+
+
+def test_errors_name_the_argument() -> None:
+    from vllm.attention.ops.triton_mla_decode import MLADecodeConfig, mla_decode_mma
+
+    fmt = LatentFormat("fp8_ds_mla", 512, 64, torch.ones(1), torch.bfloat16)
+    q = torch.zeros(1, 2, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 64, 656, dtype=torch.uint8)
+    bt = torch.zeros(1, 1, dtype=torch.int32)
+    t = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(InvalidArgumentError, match="fp8_ds_mla.*per-row kernel"):
+        mla_decode_mma(q, cache, bt, t, t, fmt, scale=1.0, max_seq_len=1)
+    fmt = LatentFormat("auto", 512, 64, torch.ones(1), torch.bfloat16)
+    with pytest.raises(InvalidArgumentError, match=r"q_lat.shape: got \(1, 2, 570\)"):
+        mla_decode_mma(q[..., :570], cache[..., :576], bt, t, t, fmt, scale=1.0, max_seq_len=1)
+    with pytest.raises(InvalidArgumentError, match="num_splits: got 65"):
+        mla_decode_mma(q, torch.zeros(1, 64, 576, dtype=torch.bfloat16), bt, t, t, fmt,
+                       scale=1.0, max_seq_len=1, num_splits=65)
+    with pytest.raises(InvalidArgumentError, match="block_h: got 24"):
+        MLADecodeConfig(block_h=24, block_n=16, num_warps=4, num_stages=1)
+    with pytest.raises(InvalidArgumentError, match="v_split: got 3"):
+        MLADecodeConfig(block_h=64, block_n=16, num_warps=4, num_stages=1, v_split=3)
+
+
+def test_choose_splits_fills_the_device_and_no_more() -> None:
+    from vllm.attention.ops.triton_mla_decode import MAX_SPLITS, choose_splits
+
+    deepseek = dict(num_heads=128, kv_lora_rank=512, row_bytes=1152, block_n=64, slots=132)
+    # 64 tokens x 2 head tiles already fill 132 SMs to 97 %: a split would only add
+    # partial outputs
+    assert choose_splits(num_tokens=64, programs_per_split=2, max_seq_len=4096,
+                         **deepseek) == 1
+    # one long request: split until the 132 SMs are busy (2 programs a split)
+    one = choose_splits(num_tokens=1, programs_per_split=2, max_seq_len=32768, **deepseek)
+    assert 2 * one >= 0.9 * 132 and one <= MAX_SPLITS
+    # a short context is never cut below two tiles a split
+    assert choose_splits(num_tokens=1, programs_per_split=2, max_seq_len=200,
+                         **deepseek) == 200 // 128
+    assert choose_splits(num_tokens=0, programs_per_split=2, max_seq_len=100, **deepseek) == 1
+    assert choose_splits(num_tokens=1, programs_per_split=1, max_seq_len=10**6,
+                         **deepseek) == MAX_SPLITS

@@ -1,0 +1,288 @@
+"""Dense MLA decode on tensor cores: heads as the M dimension, split-KV, one combine.
+
+The kernels are in :mod:`vllm.attention.ops.triton_mla_decode_kernels`. A program
+takes ``BLOCK_H`` heads of one token and one split of its keys and streams the
+latent rows ``BLOCK_N`` at a time through two ``tl.dot`` products (``Q @ K^T`` and
+``P @ V``, ``V`` the first ``L`` values of the same rows), so each row is read once
+per head tile instead of once per head. Native 16-bit caches and scaled fp8
+(E4M3 / E5M2, ``k_scale`` folded into the scores and the output) run here; the
+``fp8_ds_mla`` entry and the sparse top-k path keep the per-row kernel of
+:mod:`vllm.attention.ops.triton_mla`. ``docs/mla.md`` gives the design and its
+limits. Triton is imported on first use only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.attention.errors import InvalidArgumentError
+from vllm.attention.ops.mla_attention import LatentFormat
+
+MAX_SPLITS = 64
+"""The most splits of one token's keys (the combine kernel unrolls over them)."""
+_MAX_BOX = 256
+"""The widest TMA box (elements); the latent is loaded in at most two chunks of it."""
+_FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Launch parameters of the decode kernel.
+
+    ``block_h`` heads and ``block_n`` cached rows a tile (powers of two, at least 16:
+    ``tl.dot``'s minimum; heads past the layer's are masked);
+    ``v_split`` 2 gives each half of the latent's values its own program (both
+    compute the scores); ``num_splits`` None: chosen per call from the batch, the
+    head tiles, the context and the device (:func:`choose_splits`); ``tma``: load
+    whole tiles with the Tensor Memory Accelerator where the device and the cache
+    allow it (sm_90+, rows contiguous and 16-byte aligned).
+    """
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int | None = None
+    v_split: int = 1
+    tma: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_h", "block_n"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise InvalidArgumentError(name, v, "a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise InvalidArgumentError("num_warps", self.num_warps, "1, 2, 4, 8 or 16")
+        if self.num_stages < 1:
+            raise InvalidArgumentError("num_stages", self.num_stages, "a positive int")
+        if self.num_splits is not None and not 1 <= self.num_splits <= MAX_SPLITS:
+            raise InvalidArgumentError("num_splits", self.num_splits,
+                                       f"None or 1..{MAX_SPLITS}")
+        if self.v_split not in (1, 2):
+            raise InvalidArgumentError("v_split", self.v_split, "1 or 2")
+
+
+def unsupported_reasons(fmt: LatentFormat, q_dtype: torch.dtype) -> list[str]:
+    """Why the tensor-core kernel cannot take this decode (empty: it can)."""
+    reasons = []
+    if fmt.cache_dtype == "fp8_ds_mla":
+        reasons.append("kv_cache_dtype='fp8_ds_mla' (128-value tile scales): the per-row "
+                       "kernel runs it")
+    if q_dtype not in (*_HALF, torch.float32):
+        reasons.append(f"query dtype {q_dtype}, the kernel takes float16, bfloat16, float32")
+    if fmt.kv_lora_rank > 2 * _MAX_BOX:
+        reasons.append(f"kv_lora_rank={fmt.kv_lora_rank}, the kernel takes at most "
+                       f"{2 * _MAX_BOX}")
+    return reasons
+
+
+def default_config(q_dtype: torch.dtype, capability: tuple[int, int] | None, *,
+                   fp8: bool) -> MLADecodeConfig:
+    """Tiles that compile without register spills on sm_90 and sm_100
+    (``tools/triton_compile_check.py`` prints registers and spills of each launch;
+    ``benchmarks/tune_mla_decode.py`` sweeps the alternatives on a GPU).
+
+    ``capability``: the CUDA device's, None under the interpreter; ``fp8``: a scaled
+    fp8 cache.
+    """
+    if capability is None or q_dtype not in _HALF:
+        # the interpreter's cost is per element, and float32 models (IEEE dots) are a
+        # correctness path: the smallest tiles tl.dot takes
+        return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    if capability[0] == 9:
+        # 64 heads (masked below 64): the M of a Hopper warpgroup MMA, which Ampere's
+        # MMA would need in registers. 8 warps hold the [64, 512] float32 accumulator in
+        # 128 registers a thread. fp8 caches widen each tile into a fixed shared buffer
+        # whose MMA descriptors the compiler keeps in registers: there the two halves of
+        # the values take a 4-warp program each, or it spills
+        if fp8:
+            return MLADecodeConfig(block_h=64, block_n=64, num_warps=4, num_stages=2,
+                                   v_split=2)
+        return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+    if capability[0] >= 10:
+        # the [64, 512] float32 accumulator and the scores exceed the 512 columns of
+        # Blackwell's tensor memory: each half of the values gets its own program
+        return MLADecodeConfig(block_h=64, block_n=32, num_warps=4, num_stages=2, v_split=2)
+    # Ampere's MMA takes its A operand (the query) from registers: small head tiles
+    return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _device_facts(device: torch.device) -> tuple[int, tuple[int, int] | None]:
+    """(SM count, compute capability) of a CUDA device, (1, None) elsewhere."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return 1, None
+    props = torch.cuda.get_device_properties(device)
+    return int(props.multi_processor_count), (int(props.major), int(props.minor))
+
+
+def choose_splits(*, num_tokens: int, programs_per_split: int, num_heads: int,
+                  kv_lora_rank: int, max_seq_len: int, row_bytes: int, block_n: int,
+                  slots: int) -> int:
+    """The split count with the lowest modelled time: waves of ``slots`` concurrent
+    programs (a partly filled last wave costs a whole one) plus the float32 partial
+    outputs every split beyond the first writes and the combine reads back, in units
+    of one split-free pass over the keys."""
+    if num_tokens == 0 or max_seq_len <= 0:
+        return 1
+    base = num_tokens * programs_per_split
+    # a split keeps at least two key tiles, or its fixed cost (the query tile, the
+    # partial output) outweighs its keys
+    most = max(1, min(MAX_SPLITS, max_seq_len // (2 * block_n)))
+    keys = max_seq_len * row_bytes * programs_per_split  # bytes one token's programs read
+    partial = num_heads * kv_lora_rank * 8 / keys  # one split's extra, same units
+    best, best_cost = 1, math.inf
+    for s in range(1, most + 1):
+        waves = -(-base * s // slots)
+        cost = waves / s * slots / base + (partial * s if s > 1 else 0.0)
+        if cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best
+
+
+def _dot_fp32(q_dtype: torch.dtype, interp: bool) -> bool:
+    # numpy has no bfloat16: the interpreter's bfloat16 dots are wrong, its float16
+    # ones right
+    return q_dtype not in _HALF or (interp and q_dtype == torch.bfloat16)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _hw_fp8(capability: tuple[int, int] | None) -> bool:
+    """Whether the device converts E4M3 in hardware (sm_89+; the interpreter does)."""
+    return capability is None or capability >= (8, 9)
+
+
+def _kernels(interpret: bool) -> tuple[Any, Any]:
+    """The decode and combine kernels, compiled or for the CPU interpreter."""
+    from vllm.attention.ops.triton_loader import load_kernel_module
+
+    k = load_kernel_module("vllm.attention.ops.triton_mla_decode_kernels", interpret=interpret)
+    return k.mla_decode_mma_kernel, k.mla_decode_combine_kernel
+
+
+def _descriptors(cache: torch.Tensor, block_n: int, lc: int,
+                 block_r: int) -> tuple[Any, Any] | None:
+    """TMA descriptors of a latent chunk and of the rope part, over the cache seen as
+    ``[nb * bs, L + R]``, or None where the layout does not allow them."""
+    nb, bs, width = cache.shape
+    size = cache.element_size()
+    row = cache.stride(1)
+    if (cache.stride(0) != bs * row or (row * size) % 16 or cache.data_ptr() % 16
+            or lc * size < 16 or block_r * size < 16 or nb * bs >= 2**31):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = cache.as_strided((nb * bs, width), (row, 1))
+    return (TensorDescriptor(rows, [nb * bs, width], [row, 1], [block_n, lc]),
+            TensorDescriptor(rows, [nb * bs, width], [row, 1], [block_n, block_r]))
+
+
+def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                   token_req: torch.Tensor, token_pos: torch.Tensor, fmt: LatentFormat, *,
+                   scale: float, max_seq_len: int, config: MLADecodeConfig | None = None,
+                   num_splits: int | None = None,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dense absorbed decode, causal, on tensor cores.
+
+    Args:
+        q_lat: ``[Td, N, L + R]`` float16 / bfloat16 (float32: IEEE dots).
+        kv_cache: ``(nb, bs, L + R)`` in the model dtype, or float8_e4m3fn / float8_e5m2
+            scaled by ``fmt.k_scale`` (float32 ``[1]`` on the cache's device).
+        block_table: ``[num_reqs, max_blocks]`` int32.
+        token_req / token_pos: ``[Td]`` int32; token ``i`` sees positions
+            ``0 .. token_pos[i]`` of request ``token_req[i]``.
+        max_seq_len: the longest context (sizes the split).
+        config: tiles and warps (default: :func:`default_config` for the device);
+            ``num_splits`` overrides its split count.
+        out_dtype: the result's dtype.
+    Returns:
+        ``[Td, N, L]`` in ``out_dtype``.
+    """
+    reasons = unsupported_reasons(fmt, q_lat.dtype)
+    if reasons:
+        raise InvalidArgumentError("kv_cache_dtype / q_lat.dtype",
+                                   (fmt.cache_dtype, str(q_lat.dtype)), "; ".join(reasons))
+    t, n, d = q_lat.shape
+    L, R = fmt.kv_lora_rank, fmt.rope_dim
+    if d != L + R:
+        raise InvalidArgumentError("q_lat.shape", tuple(q_lat.shape), f"[T, N, {L + R}]")
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != L + R or kv_cache.stride(2) != 1:
+        raise InvalidArgumentError(
+            "kv_cache", (tuple(kv_cache.shape), tuple(kv_cache.stride())),
+            f"(nb, bs, {L + R}) with a unit stride on the last axis")
+    out = torch.empty(t, n, L, dtype=out_dtype, device=q_lat.device)
+    if t == 0:
+        return out
+    interp = _interpreting()
+    num_sms, capability = (1, None) if interp else _device_facts(q_lat.device)
+    fp8 = _FP8_CODES.get(kv_cache.dtype, 0)
+    cfg = config or default_config(q_lat.dtype, capability, fp8=fp8 != 0)
+    block_l = _next_pow2(L)
+    chunks = 1 if block_l <= _MAX_BOX else 2
+    lc = block_l // chunks
+    block_r = _next_pow2(R)
+    v_split = cfg.v_split if chunks == 2 else 1
+    block_h = cfg.block_h
+    head_tiles = -(-n // block_h)
+    splits = num_splits or cfg.num_splits
+    if splits is None:
+        # a 64-head tile's query and key stages take most of an SM's shared memory
+        slots = num_sms * (1 if block_h >= 64 else 2)
+        splits = choose_splits(num_tokens=t, programs_per_split=head_tiles * v_split,
+                               num_heads=n, kv_lora_rank=L, max_seq_len=max_seq_len,
+                               row_bytes=(L + R) * kv_cache.element_size(),
+                               block_n=cfg.block_n, slots=slots)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise InvalidArgumentError("num_splits", splits, f"1..{MAX_SPLITS}")
+    decode_kernel, combine_kernel = _kernels(interp)
+    q = q_lat if q_lat.stride(2) == 1 else q_lat.contiguous()
+    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
+    bt = block_table.to(torch.int32)
+    req = token_req.to(torch.int32)
+    pos = token_pos.to(torch.int32)
+    single = splits == 1
+    if single:
+        o_part = lse_part = out  # unused
+        part_strides = (0, 0, 0, 0, 0)
+    else:
+        o_part = torch.empty(t, n, splits, L, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(t, n, splits, dtype=torch.float32, device=q.device)
+        part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                        lse_part.stride(0), lse_part.stride(1))
+    page = int(kv_cache.shape[1])
+    tile_in_page = page % cfg.block_n == 0
+    tma_ok = cfg.tma and tile_in_page and (interp or (capability or (0, 0)) >= (9, 0))
+    descs = _descriptors(cache, cfg.block_n, lc, block_r) if tma_ok else None
+    lat_desc, pe_desc = descs if descs is not None else (cache, cache)
+    max_iters = -(-(-(-max_seq_len // splits)) // cfg.block_n) + 1 if interp else 0
+    decode_kernel[(head_tiles * v_split, splits, t)](
+        q, lat_desc, pe_desc, cache, bt, req, pos, fmt.k_scale, out, o_part, lse_part,
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), bt.stride(0),
+        out.stride(0), out.stride(1), *part_strides,
+        n, scale, splits,
+        KV_LORA=L, ROPE=R, PAGE=page, FP8=fp8, HW_FP8=_hw_fp8(capability),
+        FP32_DOT=_dot_fp32(q.dtype, interp), SINGLE=single, USE_TMA=descs is not None,
+        TILE_IN_PAGE=tile_in_page, DYNAMIC_LOOP=not interp, MAX_ITERS=max_iters,
+        BLOCK_H=block_h, BLOCK_N=cfg.block_n, LAT_CHUNKS=chunks, V_SPLIT=v_split, LC=lc,
+        BLOCK_R=block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not single:
+        combine_kernel[(n, t)](
+            o_part, lse_part, out, *part_strides, out.stride(0), out.stride(1), splits,
+            KV_LORA=L, BLOCK_S=_next_pow2(splits), BLOCK_L=block_l, num_warps=4,
+        )
+    return out

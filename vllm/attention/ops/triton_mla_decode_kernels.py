@@ -1,0 +1,304 @@
+"""Tensor-core Triton kernels of the dense MLA decode (imported on first use).
+
+All query heads of one token share each latent row, so a program takes a tile of
+``BLOCK_H`` heads as the M dimension of two matrix products per block of
+``BLOCK_N`` cached rows: ``S = Q @ K^T`` over the ``L + R`` columns and
+``O += P @ K[:, :L]`` (the values are the latent part of the same rows), with an
+online softmax in float32 between them. The latent is handled in ``LAT_CHUNKS``
+column chunks of ``LC`` (one TMA box is at most 256 wide). The launcher is
+:mod:`vllm.attention.ops.triton_mla_decode`; ``docs/mla.md`` explains the choices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import triton
+import triton.language as tl
+
+jit: Callable[[Callable[..., Any]], Any] = triton.jit
+"""``triton.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
+
+# softmax in base 2: exp2 is one instruction, exp is a multiply and an exp2
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@jit
+def _widen(x: tl.tensor, FP8: tl.constexpr, HW_FP8: tl.constexpr,
+           DOT: tl.constexpr) -> tl.tensor:
+    """Cache values (fp8 as raw bytes) in the dot dtype, unscaled. Every fp8 value is
+    exact in float16 and in bfloat16, so the widening rounds nothing."""
+    if FP8 == 1:
+        if HW_FP8:
+            x = x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        else:
+            # no E4M3 conversion before sm_89: place sign, exponent and mantissa in a
+            # float16 (exponent bias 15, not 7) and rescale by 2**8, exact for
+            # subnormals too; the all-ones magnitude is E4M3's NaN
+            b = x.to(tl.uint16)
+            h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+            x = tl.where((b & 0x7F) == 0x7F, float("nan"), h * 256.0)
+    elif FP8 == 2:
+        # E5M2 is the upper byte of a float16
+        x = (x.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+    return x.to(DOT)
+
+
+@jit
+def _load_tile(
+    LAT_DESC: tl.tensor_descriptor, PE_DESC: tl.tensor_descriptor, C: tl.tensor,
+    BT: tl.tensor, req: tl.tensor, n0: tl.tensor, end: tl.tensor, col_a: tl.tensor,
+    col_b: tl.tensor, stride_cb: tl.tensor, stride_cs: tl.tensor, stride_bt: tl.tensor,
+    KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+    HW_FP8: tl.constexpr, DOT: tl.constexpr, FULL: tl.constexpr, USE_TMA: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr, LAT_CHUNKS: tl.constexpr, LC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+) -> tl.tensor:  # (k_a [BLOCK_N, LC], k_b [BLOCK_N, LC], k_pe [BLOCK_N, BLOCK_R])
+    """Rows ``n0 .. n0 + BLOCK_N`` of the request in the dot dtype: the latent
+    columns from ``col_a`` and ``col_b`` (``k_b`` is ``k_a`` when ``LAT_CHUNKS == 1``)
+    and the rope part. ``FULL``: every row is below ``end``; otherwise rows at or past
+    ``end`` load as zeros (their bytes may be anything, NaN too, and a zero
+    probability times NaN is NaN)."""
+    if FULL and USE_TMA:
+        # one page (BLOCK_N divides PAGE, tiles start at multiples of BLOCK_N); the
+        # descriptors see the cache as [nb * PAGE, L + R]
+        blk = tl.load(BT + req * stride_bt + n0 // PAGE)
+        row = blk * PAGE + n0 % PAGE
+        k_a = LAT_DESC.load([row, col_a])
+        k_b = k_a
+        if LAT_CHUNKS == 2:
+            k_b = LAT_DESC.load([row, col_b])
+        k_pe = PE_DESC.load([row, KV_LORA])
+    else:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        offs_c = tl.arange(0, LC)
+        offs_r = tl.arange(0, BLOCK_R)
+        if TILE_IN_PAGE:
+            blk = tl.load(BT + req * stride_bt + n0 // PAGE).to(tl.int64)
+            base = C + blk * stride_cb + (n0 % PAGE).to(tl.int64) * stride_cs
+            rows = base + tl.arange(0, BLOCK_N)[:, None] * stride_cs
+        else:
+            kpos = tl.where(valid, offs_n, 0)
+            blk = tl.load(BT + req * stride_bt + kpos // PAGE, mask=valid, other=0)
+            rows = C + (blk.to(tl.int64) * stride_cb
+                        + (kpos % PAGE).to(tl.int64) * stride_cs)[:, None]
+        k_a = tl.load(rows + col_a + offs_c[None, :],
+                      mask=valid[:, None] & (col_a + offs_c < KV_LORA)[None, :], other=0)
+        k_b = k_a
+        if LAT_CHUNKS == 2:
+            k_b = tl.load(rows + col_b + offs_c[None, :],
+                          mask=valid[:, None] & (col_b + offs_c < KV_LORA)[None, :], other=0)
+        k_pe = tl.load(rows + KV_LORA + offs_r[None, :],
+                       mask=valid[:, None] & (offs_r < ROPE)[None, :], other=0)
+    return (_widen(k_a, FP8, HW_FP8, DOT), _widen(k_b, FP8, HW_FP8, DOT),
+            _widen(k_pe, FP8, HW_FP8, DOT))
+
+
+@jit
+def _attend_tile(
+    n0: tl.tensor, end: tl.tensor, m_i: tl.tensor, l_i: tl.tensor, acc_a: tl.tensor,
+    acc_b: tl.tensor, q_a: tl.tensor, q_b: tl.tensor, q_pe: tl.tensor, qk_scale: tl.tensor,
+    LAT_DESC: tl.tensor_descriptor, PE_DESC: tl.tensor_descriptor, C: tl.tensor,
+    BT: tl.tensor, req: tl.tensor, col_a: tl.tensor, col_b: tl.tensor,
+    stride_cb: tl.tensor, stride_cs: tl.tensor, stride_bt: tl.tensor,
+    KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+    HW_FP8: tl.constexpr, FULL: tl.constexpr, USE_TMA: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr, LAT_CHUNKS: tl.constexpr, V_SPLIT: tl.constexpr,
+    LC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+) -> tl.tensor:  # (m_i, l_i, acc_a, acc_b)
+    """Online-softmax update of ``BLOCK_H`` heads by the rows ``n0 .. n0 + BLOCK_N``
+    (scores and the running maximum ``m_i`` in base 2, pre-scaled per head)."""
+    k_a, k_b, k_pe = _load_tile(
+        LAT_DESC, PE_DESC, C, BT, req, n0, end, col_a, col_b, stride_cb, stride_cs,
+        stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, q_a.dtype, FULL, USE_TMA, TILE_IN_PAGE,
+        LAT_CHUNKS, LC, BLOCK_N, BLOCK_R)
+    if q_a.dtype == tl.float32:
+        s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
+        if LAT_CHUNKS == 2:
+            s = tl.dot(q_b, tl.trans(k_b), s, input_precision="ieee")
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
+    else:
+        s = tl.dot(q_a, tl.trans(k_a))
+        if LAT_CHUNKS == 2:
+            s = tl.dot(q_b, tl.trans(k_b), s)
+        s = tl.dot(q_pe, tl.trans(k_pe), s)
+    s = s * qk_scale[:, None]
+    if not FULL:
+        s = tl.where((n0 + tl.arange(0, BLOCK_N) < end)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # -inf only for a tile with no valid key (the interpreter's extra tiles)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if q_a.dtype == tl.float32:
+        acc_a = tl.dot(p, k_a, acc_a * alpha[:, None], input_precision="ieee")
+        if LAT_CHUNKS == 2 and V_SPLIT == 1:
+            acc_b = tl.dot(p, k_b, acc_b * alpha[:, None], input_precision="ieee")
+    else:
+        pd = p.to(q_a.dtype)
+        acc_a = tl.dot(pd, k_a, acc_a * alpha[:, None])
+        if LAT_CHUNKS == 2 and V_SPLIT == 1:
+            acc_b = tl.dot(pd, k_b, acc_b * alpha[:, None])
+    return m_new, l_i, acc_a, acc_b
+
+
+@jit
+def mla_decode_mma_kernel(
+    Q: tl.tensor, LAT_DESC: tl.tensor_descriptor, PE_DESC: tl.tensor_descriptor,
+    C: tl.tensor, BT: tl.tensor, TOK_REQ: tl.tensor, TOK_POS: tl.tensor, K_SCALE: tl.tensor,
+    OUT: tl.tensor, O_PART: tl.tensor, LSE_PART: tl.tensor,
+    stride_qt: tl.tensor, stride_qh: tl.tensor, stride_cb: tl.tensor, stride_cs: tl.tensor,
+    stride_bt: tl.tensor, stride_xt: tl.tensor, stride_xh: tl.tensor,
+    stride_pt: tl.tensor, stride_ph: tl.tensor, stride_ps: tl.tensor,
+    stride_lt: tl.tensor, stride_lh: tl.tensor,
+    num_heads: tl.tensor, sm_scale: tl.tensor, num_splits: tl.tensor,
+    KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+    HW_FP8: tl.constexpr, FP32_DOT: tl.constexpr, SINGLE: tl.constexpr,
+    USE_TMA: tl.constexpr, TILE_IN_PAGE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
+    MAX_ITERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    LAT_CHUNKS: tl.constexpr, V_SPLIT: tl.constexpr, LC: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+) -> None:
+    """One (head tile and value part, split, token) program of the dense absorbed decode.
+
+    ``Q``: ``[T, N, L + R]``; ``C``: the latent cache ``(nb, PAGE, L + R)`` (fp8 read
+    as bytes: ``FP8`` 1 E4M3, 2 E5M2), also seen by ``LAT_DESC`` / ``PE_DESC`` as
+    ``[nb * PAGE, L + R]`` when ``USE_TMA``; ``BT``: ``[reqs, max_blocks]`` int32;
+    ``TOK_REQ`` / ``TOK_POS``: ``[T]`` int32 (token ``t`` sees positions
+    ``0 .. TOK_POS[t]``). The latent is ``LAT_CHUNKS`` chunks of ``LC`` columns; with
+    ``V_SPLIT == 2`` a program accumulates the values of one chunk only (the scores
+    use both). ``FP32_DOT``: IEEE float32 dots, else the query's 16-bit dtype.
+    ``SINGLE``: one split, the normalised output goes to ``OUT`` ``[T, N, L]``;
+    otherwise ``O_PART`` ``[T, N, S, L]`` float32 and ``LSE_PART`` ``[T, N, S]`` (base
+    2, ``-inf`` for an empty split) for :func:`mla_decode_combine_kernel`.
+    """
+    hb = tl.program_id(0) // V_SPLIT  # one token's head tiles run side by side (L2)
+    col_a = (tl.program_id(0) % V_SPLIT) * LC
+    col_b = LC - col_a
+    sp = tl.program_id(1)
+    t = tl.program_id(2).to(tl.int64)  # offsets of t can pass 2**31
+    req = tl.load(TOK_REQ + t).to(tl.int64)
+    n_keys = tl.load(TOK_POS + t) + 1
+    # splits start at multiples of BLOCK_N, so a tile never straddles two pages
+    per_split = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+    start = sp * per_split
+    end = tl.minimum(start + per_split, n_keys)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_c = tl.arange(0, LC)
+    offs_r = tl.arange(0, BLOCK_R)
+    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    q_a = tl.load(q_row + col_a + offs_c[None, :],
+                  mask=mask_h[:, None] & (col_a + offs_c < KV_LORA)[None, :], other=0.0)
+    q_b = q_a
+    if LAT_CHUNKS == 2:
+        q_b = tl.load(q_row + col_b + offs_c[None, :],
+                      mask=mask_h[:, None] & (col_b + offs_c < KV_LORA)[None, :], other=0.0)
+    q_pe = tl.load(q_row + KV_LORA + offs_r[None, :],
+                   mask=mask_h[:, None] & (offs_r < ROPE)[None, :], other=0.0)
+    if FP32_DOT:
+        q_a = q_a.to(tl.float32)
+        q_b = q_b.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    # an fp8 row is (stored * k_scale): the scale multiplies the scores and the output,
+    # so the dots run on the stored values
+    k_scale = 1.0
+    if FP8 != 0:
+        k_scale = tl.load(K_SCALE)
+    qk_scale = tl.full([BLOCK_H], sm_scale * k_scale * LOG2E, tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc_a = tl.zeros([BLOCK_H, LC], tl.float32)
+    acc_b = tl.zeros([BLOCK_H, LC], tl.float32)
+    if DYNAMIC_LOOP:
+        # whole tiles unmasked (TMA where selected), then the partial last one masked
+        n_full = (end - start) // BLOCK_N
+        for it in range(0, n_full):
+            m_i, l_i, acc_a, acc_b = _attend_tile(
+                start + it * BLOCK_N, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale,
+                LAT_DESC, PE_DESC, C, BT, req, col_a, col_b, stride_cb, stride_cs,
+                stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, True, USE_TMA, TILE_IN_PAGE,
+                LAT_CHUNKS, V_SPLIT, LC, BLOCK_N, BLOCK_R)
+        tail = start + n_full * BLOCK_N
+        if tail < end:
+            m_i, l_i, acc_a, acc_b = _attend_tile(
+                tail, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale,
+                LAT_DESC, PE_DESC, C, BT, req, col_a, col_b, stride_cb, stride_cs,
+                stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, False, USE_TMA, TILE_IN_PAGE,
+                LAT_CHUNKS, V_SPLIT, LC, BLOCK_N, BLOCK_R)
+    else:
+        # the interpreter cannot bound a loop by a tensor: the host's upper bound of
+        # iterations; whole tiles take the unmasked path, the rest are masked
+        for it in range(0, MAX_ITERS):
+            n0 = start + it * BLOCK_N
+            if n0 + BLOCK_N <= end:
+                m_i, l_i, acc_a, acc_b = _attend_tile(
+                    n0, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale,
+                    LAT_DESC, PE_DESC, C, BT, req, col_a, col_b, stride_cb, stride_cs,
+                    stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, True, USE_TMA,
+                    TILE_IN_PAGE, LAT_CHUNKS, V_SPLIT, LC, BLOCK_N, BLOCK_R)
+            else:
+                m_i, l_i, acc_a, acc_b = _attend_tile(
+                    n0, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale,
+                    LAT_DESC, PE_DESC, C, BT, req, col_a, col_b, stride_cb, stride_cs,
+                    stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, False, USE_TMA,
+                    TILE_IN_PAGE, LAT_CHUNKS, V_SPLIT, LC, BLOCK_N, BLOCK_R)
+
+    seen = l_i > 0.0
+    norm = (k_scale / tl.where(seen, l_i, 1.0))[:, None]
+    mask_a = mask_h[:, None] & (col_a + offs_c < KV_LORA)[None, :]
+    mask_b = mask_h[:, None] & (col_b + offs_c < KV_LORA)[None, :]
+    both = LAT_CHUNKS == 2 and V_SPLIT == 1
+    if SINGLE:
+        o_row = OUT + t * stride_xt + offs_h[:, None] * stride_xh + offs_c[None, :]
+        tl.store(o_row + col_a, (acc_a * norm).to(OUT.dtype.element_ty), mask=mask_a)
+        if both:
+            tl.store(o_row + col_b, (acc_b * norm).to(OUT.dtype.element_ty), mask=mask_b)
+    else:
+        o_row = (O_PART + t * stride_pt + offs_h[:, None] * stride_ph + sp * stride_ps
+                 + offs_c[None, :])
+        tl.store(o_row + col_a, acc_a * norm, mask=mask_a)
+        if both:
+            tl.store(o_row + col_b, acc_b * norm, mask=mask_b)
+        if col_a == 0:  # one program of a head tile writes the log-sum-exp
+            lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)),
+                           float("-inf"))
+            tl.store(LSE_PART + t * stride_lt + offs_h * stride_lh + sp, lse, mask=mask_h)
+
+
+@jit
+def mla_decode_combine_kernel(
+    O_PART: tl.tensor, LSE_PART: tl.tensor, OUT: tl.tensor,
+    stride_pt: tl.tensor, stride_ph: tl.tensor, stride_ps: tl.tensor,
+    stride_lt: tl.tensor, stride_lh: tl.tensor, stride_xt: tl.tensor, stride_xh: tl.tensor,
+    num_splits: tl.tensor,
+    KV_LORA: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
+) -> None:
+    """``OUT[t, h]`` from the splits' normalised outputs, weighted by ``2**lse``
+    (a split that saw no key has ``lse = -inf`` and weight 0). ``BLOCK_S``: a power
+    of two ``>= num_splits``."""
+    h = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < KV_LORA
+    lse_row = LSE_PART + t * stride_lt + h * stride_lh
+    lse = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.math.exp2(lse - m), 0)
+    # one split's row at a time: a [BLOCK_S, L] tile would not fit in registers
+    res = tl.zeros([BLOCK_L], tl.float32)
+    o_row = O_PART + t * stride_pt + h * stride_ph + offs_l
+    for s in range(0, BLOCK_S):
+        live = s < num_splits
+        w = tl.math.exp2(tl.load(lse_row + s, mask=live, other=float("-inf")) - m)
+        res += w * tl.load(o_row + s * stride_ps, mask=mask_l & live, other=0.0)
+    res = res / tl.where(total > 0.0, total, 1.0)
+    tl.store(OUT + t * stride_xt + h * stride_xh + offs_l, res.to(OUT.dtype.element_ty),
+             mask=mask_l)
