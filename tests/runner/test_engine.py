@@ -132,3 +132,26 @@ def test_default_capture_sizes() -> None:
     assert default_capture_sizes(16) == [1, 2, 4, 8, 16]
     assert default_capture_sizes(3) == [1, 2, 3]
     assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_null_block_is_never_allocated_and_stays_zero(hf_llama: HFCheckpoint) -> None:
+    """vLLM's null block: block 0 is not handed to a request, and block-table padding
+    points at zeros (a legacy backend may read it)."""
+    from vllm.attention.conformance import null_block
+    from vllm.runner.kv_cache import NULL_BLOCK
+
+    engine = LLMEngine.create(hf_llama.path, backend="TORCH_REF", engine_config=SMALL)
+    group = engine.kv.groups[0]
+    seen: list[list[int]] = []
+
+    class Spy:
+        def on_kv_written(self, layer_name: str, kv_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> None:
+            seen.append((slot_mapping[slot_mapping >= 0] // group.block_size).tolist())
+
+    engine.kv_connector = Spy()
+    engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW))
+    assert seen and all(NULL_BLOCK not in blocks for blocks in seen)
+    for layer in engine.model.attention_layers():
+        assert int(null_block(layer.backend, layer.kv_cache).count_nonzero()) == 0
+    assert group.allocator.num_free == group.allocator.num_blocks  # all returned, none lost

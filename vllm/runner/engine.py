@@ -254,8 +254,8 @@ class LLMEngine:
                 group = KVCacheGroup(len(groups), key, [], builder, BlockAllocator(num_blocks))
                 groups[key] = group
             group.layer_names.append(layer.layer_name)
-            cache = allocate_kv_cache(
-                layer.backend, num_blocks=num_blocks, block_size=bs,
+            cache = allocate_kv_cache(  # the usable blocks and the null block
+                layer.backend, num_blocks=num_blocks + 1, block_size=bs,
                 num_kv_heads=spec.num_kv_heads, head_size=head_size,
                 cache_dtype=spec.kv_cache_dtype, model_dtype=self.model.dtype,
                 device=self.device,
@@ -265,9 +265,9 @@ class LLMEngine:
             probe = layer.backend.get_kv_cache_shape(7919, 16, 1, 8)
             registered[layer.layer_name] = RegisteredKVCache(
                 cache, bs, probe.index(7919) if 7919 in probe else 0, layer.backend.name)
-            if num_blocks_of(layer.backend, cache) != num_blocks:
+            if num_blocks_of(layer.backend, cache) != num_blocks + 1:
                 raise InvalidArgumentError(f"{layer.layer_name} kv_cache", tuple(cache.shape),
-                                           f"{num_blocks} blocks")
+                                           f"{num_blocks + 1} blocks")
         if isinstance(self.kv_connector, RegistersKVCaches):
             self.kv_connector.register_kv_caches(registered)
         return list(groups.values())

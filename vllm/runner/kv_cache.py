@@ -19,14 +19,22 @@ from vllm.attention.backend import AttentionBackend, AttentionMetadataBuilder
 from vllm.attention.errors import InvalidArgumentError
 
 
+NULL_BLOCK = 0
+"""Block 0 of every cache: zeroed and never allocated (vLLM's null block). Block-table
+padding points there, so a kernel (or a legacy backend) that reads a padded entry reads
+zeros, and a write that wraps is caught by the conformance kit, not hidden in a request's
+block."""
+
+
 class BlockAllocator:
-    """Free-list allocator of block ids ``0..num_blocks-1``."""
+    """Free-list allocator of block ids ``1..num_blocks`` (``num_blocks`` usable blocks;
+    the cache holds one more, :data:`NULL_BLOCK`)."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise InvalidArgumentError("num_blocks", num_blocks, "a positive int")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(NULL_BLOCK + 1, num_blocks + 1))
 
     @property
     def num_free(self) -> int:
