@@ -423,8 +423,8 @@ class AdaptedImplBase(AttentionImpl[LegacyMetadataBox]):
         """The legacy view of ``layer`` handed to the legacy impl (one per layer)."""
         view = self._view
         if view is None or view.layer is not layer:
-            view = LegacyLayer(layer, self.legacy, self.legacy_backend.legacy_cls,  # type: ignore[arg-type]
-                               self.spelling)
+            view = LegacyLayer.view(layer, self.legacy,  # type: ignore[arg-type]
+                                    self.legacy_backend.legacy_cls, self.spelling)
             self._view = view
             LIVE_LAYERS.add(view)
         return view

@@ -15,8 +15,7 @@ from typing_extensions import deprecated
 
 from shim.warnings import LegacyBackendWarning
 from shim.upstream.backend import CommonAttentionMetadata  # type: ignore[deprecated]
-from vllm.attention.types import KVQuant, parse_kv_cache_dtype
-from vllm.attention.writers.split import write_kv_views
+from shim.upstream.ops import write_flash_views
 
 
 LegacyCommonAttentionMetadata = CommonAttentionMetadata
@@ -52,7 +51,8 @@ def reshape_and_cache_flash(
 ) -> None:
     """The legacy write op: ``key_cache``/``value_cache`` ``[nb, bs, H, D]`` views.
 
-    Routed through the split K/V writer, so it has the new write semantics.
+    Routed through the split K/V writer, so it has the new write semantics (and vLLM's
+    conventions: a ``uint8`` fp8 cache, 0-d scales).
     """
-    quant = KVQuant(parse_kv_cache_dtype(kv_cache_dtype), k_scale, v_scale)
-    write_kv_views(key, value, key_cache, value_cache, slot_mapping, quant)
+    write_flash_views(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                      k_scale, v_scale)

@@ -42,13 +42,22 @@ def _as_upstream_scale(scale: torch.Tensor) -> torch.Tensor:
 class Attention:
     """A legacy impl's view of one :class:`vllm.attention.Attention` layer."""
 
-    def __init__(self, layer: _NewLayer, impl: Any, attn_backend: type,
-                 kv_cache_dtype: str) -> None:
-        if not isinstance(getattr(layer, "spec", None), AttentionLayerSpec):
-            raise LegacyBackendError(
-                f"vllm.model_executor.layers.attention.Attention({layer!r}, ...): this is the "
-                "legacy surface's view of a layer, which the adapter builds for legacy impls; "
-                "build a layer with vllm.attention.Attention (see migration_guide.md)")
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise LegacyBackendError(
+            "vllm.model_executor.layers.attention.Attention(...): here this is the view of a "
+            "layer that the adapter hands to legacy impls, not a layer to build; build "
+            "layers with vllm.attention.Attention (see migration_guide.md)")
+
+    @classmethod
+    def view(cls, layer: _NewLayer, impl: Any, attn_backend: type,
+             kv_cache_dtype: str) -> Attention:
+        """The view of ``layer`` for the legacy ``impl`` of ``attn_backend``."""
+        self = cls.__new__(cls)
+        self._bind(layer, impl, attn_backend, kv_cache_dtype)
+        return self
+
+    def _bind(self, layer: _NewLayer, impl: Any, attn_backend: type,
+              kv_cache_dtype: str) -> None:
         spec = layer.spec
         self.layer = layer
         self.impl = impl

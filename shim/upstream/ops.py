@@ -37,6 +37,16 @@ def as_storage(cache: torch.Tensor, quant: KVQuant) -> torch.Tensor:
     return cache
 
 
+def write_flash_views(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      kv_cache_dtype: str, k_scale: torch.Tensor | float,
+                      v_scale: torch.Tensor | float) -> None:
+    """``reshape_and_cache_flash``'s body: ``[nb, bs, H, D]`` K and V caches, any strides."""
+    quant = _quant(kv_cache_dtype, k_scale, v_scale)
+    write_kv_views(key, value, as_storage(key_cache, quant), as_storage(value_cache, quant),
+                   slot_mapping, quant)
+
+
 @deprecated("reshape_and_cache_flash() writes inside the backend: return a KVCacheWriter from "
             "AttentionBackend.get_kv_cache_writer() and let the layer write "
             "(see migration_guide.md)", category=None)
@@ -45,9 +55,8 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
                             kv_cache_dtype: str, k_scale: torch.Tensor,
                             v_scale: torch.Tensor) -> None:
     """Write into ``[nb, bs, H, D]`` K and V caches (any strides: NHD or HND)."""
-    quant = _quant(kv_cache_dtype, k_scale, v_scale)
-    write_kv_views(key, value, as_storage(key_cache, quant), as_storage(value_cache, quant),
-                   slot_mapping, quant)
+    write_flash_views(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                      k_scale, v_scale)
 
 
 @deprecated("reshape_and_cache() writes inside the backend: return a KVCacheWriter from "
