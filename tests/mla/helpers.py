@@ -71,3 +71,28 @@ def setup(backend_name: str, query_lens: list[int], context_lens: list[int], *,
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def latent_decode_reference(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                            tokens: list[tuple[int, int]], kv_lora_rank: int, scale: float,
+                            k_scale: float | None) -> torch.Tensor:
+    """float64 absorbed decode: ``softmax(scale q k^T) k[:, :L]`` for each token
+    ``(request, position)`` over that request's positions ``0 .. position``.
+
+    Args:
+        q: ``[T, N, L + R]``; cache: ``(nb, bs, L + R)`` (fp8 dequantised by ``k_scale``).
+    Returns:
+        ``[T, N, L]`` float64, on ``q``'s device.
+    """
+    page = cache.shape[1]
+    out = torch.zeros(q.shape[0], q.shape[1], kv_lora_rank, dtype=torch.float64,
+                      device=q.device)
+    table = block_table.long().to(cache.device)
+    for i, (r, p) in enumerate(tokens):
+        pos = torch.arange(p + 1, device=cache.device)
+        keys = cache[table[r, pos // page], pos % page].double()
+        if k_scale is not None:
+            keys = keys * k_scale
+        probs = torch.softmax(q[i].double() @ keys.t() * scale, dim=-1)
+        out[i] = probs @ keys[:, :kv_lora_rank]
+    return out

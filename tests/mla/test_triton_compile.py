@@ -1,6 +1,10 @@
-"""The Triton MLA kernels compile to sm90 (H200) machine code here, without a GPU:
-Triton's interpreter cannot catch what only the compiler rejects (annotations it
-cannot resolve, dtype mismatches in ``tl.dot``, loop-carried type changes).
+"""The Triton MLA kernels compile to machine code here, without a GPU: Triton's
+interpreter cannot catch what only the compiler rejects (annotations it cannot
+resolve, dtype mismatches in ``tl.dot``, loop-carried type changes). The per-row
+kernel compiles for sm_90; the tensor-core decode's default launches for sm_80,
+sm_90 and sm_100, each checked for what only shows in the binary: a kernel lowered
+to a bare ``trap`` (Blackwell's tensor memory overflowed), shared memory past the
+device's limit, and register spills on sm_90.
 
 The compile runs in a child process: ``triton.language``'s own ``@jit`` helpers are
 built for either the interpreter or the compiler when triton is first imported, and
@@ -64,3 +68,82 @@ def test_kernels_compile_for_sm90() -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     assert done.stdout.count("compiled") == 5
+
+
+DECODE_CHILD = r'''
+import os, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+from vllm.attention.ops import triton_mla_decode as tmd
+from vllm.attention.ops import triton_mla_decode_kernels as kern
+from vllm.attention.ops.mla_attention import LatentFormat
+
+SMEM = {80: 166912, 90: 232448, 100: 232448}
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+def compile_like_jit(fn, args, kwargs, target):
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, _ = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, None)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=target, options=options.__dict__)
+
+def spill_bytes(cubin):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin); f.flush()
+        out = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name],
+                             capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+    return int(m.group(1)), int(m.group(2)) + int(m.group(3))
+
+calls = []
+class Rec:
+    def __init__(self, fn): self.fn = fn
+    def __getitem__(self, grid):
+        return lambda *a, **k: calls.append((self.fn, a, k))
+tmd._kernels = lambda interp: (Rec(kern.mla_decode_mma_kernel), Rec(kern.mla_decode_combine_kernel))
+tmd._interpreting = lambda: False
+failures = 0
+for cap in (80, 90, 100):
+    tmd._device_facts = lambda dev, cap=cap: (132, (cap // 10, cap % 10))
+    for cdt, storage in (("auto", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+        for splits in ((1, 4) if cap == 90 and cdt == "auto" else (4,)):
+            calls.clear()
+            cache = torch.zeros(8, 64, 576, dtype=storage)
+            fmt = LatentFormat(cdt, 512, 64, torch.ones(1), torch.bfloat16)
+            q = torch.zeros(4, 128, 576, dtype=torch.bfloat16)
+            bt = torch.zeros(4, 8, dtype=torch.int32)
+            t = torch.zeros(4, dtype=torch.int32)
+            tmd.mla_decode_mma(q, cache, bt, t, t, fmt, scale=0.1, max_seq_len=4096,
+                               num_splits=splits, out_dtype=torch.bfloat16)
+            for fn, a, k in calls:
+                c = compile_like_jit(fn, a, dict(k), GPUTarget("cuda", cap, 32))
+                name = f"sm{cap} {cdt} splits={splits} {fn.__name__}"
+                bad = []
+                ptx = c.asm["ptx"]
+                if re.search(r"^\s*trap;", ptx, re.M) and ptx.count(chr(10)) < 400:
+                    bad.append("lowered to a bare trap")
+                if c.metadata.shared > SMEM[cap]:
+                    bad.append(f"shared {c.metadata.shared} > {SMEM[cap]}")
+                if cap == 90:
+                    regs, spilled = spill_bytes(c.asm["cubin"])
+                    name += f" regs={regs}"
+                    if spilled:
+                        bad.append(f"{spilled} bytes of stack/local (register spills)")
+                failures += bool(bad)
+                print(("FAIL " if bad else "compiled ") + name, *bad, flush=True)
+sys.exit(1 if failures else 0)
+'''
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton)")
+def test_decode_kernel_compiles_for_sm80_sm90_sm100() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", DECODE_CHILD], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert done.stdout.count("compiled ") == 13, done.stdout

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.mla.conftest import HAVE_TRITON
+from tests.mla.helpers import latent_decode_reference
 from vllm.attention import InvalidArgumentError
 from vllm.attention.ops.mla_attention import LatentFormat
 from vllm.attention.registry import get_backend
@@ -103,17 +104,8 @@ def _cache(case: Case, fmt: LatentFormat, bt: torch.Tensor, nb: int,
 
 def reference(q: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor, tokens: list[Any],
               fmt: LatentFormat, scale: float) -> torch.Tensor:
-    """float64 ``softmax(scale q k^T) k[:, :L]`` over each token's positions 0..pos."""
-    page = cache.shape[1]
-    out = torch.zeros(q.shape[0], q.shape[1], fmt.kv_lora_rank, dtype=torch.float64)
-    for i, (r, p) in enumerate(tokens):
-        pos = torch.arange(p + 1)
-        keys = cache[bt[r, pos // page].long(), pos % page].double()
-        if fmt.cache_dtype in _FP8:
-            keys = keys * float(fmt.k_scale[0])
-        probs = torch.softmax(q[i].double() @ keys.t() * scale, dim=-1)
-        out[i] = probs @ keys[:, : fmt.kv_lora_rank]
-    return out
+    k_scale = float(fmt.k_scale[0]) if fmt.cache_dtype in _FP8 else None
+    return latent_decode_reference(q, cache, bt, tokens, fmt.kv_lora_rank, scale, k_scale)
 
 
 def _inputs(case: Case, seed: int = 0) -> tuple[LatentFormat, torch.Tensor, torch.Tensor,

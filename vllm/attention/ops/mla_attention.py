@@ -49,8 +49,9 @@ class LatentFormat:
         return self.kv_lora_rank + self.rope_dim
 
 
-def decode_latent_rows(rows: torch.Tensor, fmt: LatentFormat) -> torch.Tensor:
-    """Cache rows ``[..., entry]`` as float32 ``[..., L + R]`` (dequantised)."""
+def decode_latent_rows(rows: torch.Tensor, fmt: LatentFormat,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Cache rows ``[..., entry]`` as ``dtype`` ``[..., L + R]`` (dequantised)."""
     if fmt.cache_dtype == "fp8_ds_mla":
         lead = rows.shape[:-1]
         flat = rows.reshape(-1, FP8_DS_MLA_ENTRY_BYTES)
@@ -58,11 +59,11 @@ def decode_latent_rows(rows: torch.Tensor, fmt: LatentFormat) -> torch.Tensor:
         scales = flat[:, FP8_DS_MLA_SCALE_OFFSET:FP8_DS_MLA_ROPE_OFFSET].contiguous()
         scales = scales.view(torch.float32).repeat_interleave(FP8_DS_MLA_TILE, dim=1)
         rope = flat[:, FP8_DS_MLA_ROPE_OFFSET:].contiguous().view(fmt.rope_dtype)
-        out = torch.cat([latent.to(torch.float32) * scales, rope.to(torch.float32)], dim=1)
+        out = torch.cat([latent.to(dtype) * scales.to(dtype), rope.to(dtype)], dim=1)
         return out.view(*lead, FP8_DS_MLA_LATENT + FP8_DS_MLA_ROPE)
     if is_fp8_scaled(fmt.cache_dtype):
-        return rows.to(torch.float32) * fmt.k_scale.to(rows.device)[0]
-    return rows.to(torch.float32)
+        return rows.to(dtype) * fmt.k_scale.to(device=rows.device, dtype=dtype)[0]
+    return rows.to(dtype)
 
 
 def gather_latent(kv_cache: torch.Tensor, block_ids: torch.Tensor, start: int,
@@ -107,8 +108,8 @@ def latent_attention(q_lat: torch.Tensor, keys: torch.Tensor, *, kv_lora_rank: i
     """Absorbed attention of queries over latent rows (MQA: one key head).
 
     Args:
-        q_lat: ``[Tq, N, L + R]`` float32 (``q_nope @ W_UK`` then ``q_pe``).
-        keys: ``[S, L + R]`` float32 latent rows; values are ``keys[:, :L]``.
+        q_lat: ``[Tq, N, L + R]`` (``q_nope @ W_UK`` then ``q_pe``), float32 or float64.
+        keys: ``[S, L + R]`` latent rows in ``q_lat``'s dtype; values are ``keys[:, :L]``.
         visible: ``[Tq, S]`` bool, or None for all visible.
     Returns:
         ``o_lat`` ``[Tq, N, L]`` and ``lse`` ``[Tq, N]``.
@@ -134,25 +135,27 @@ class DecodeGroup:
 
 def mla_decode_torch(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      groups: Sequence[DecodeGroup], fmt: LatentFormat, *,
-                     scale: float) -> torch.Tensor:
+                     scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dense absorbed attention over each request's cached latents, causal.
 
     Args:
         q_lat: ``[Td, N, L + R]`` (any float dtype), grouped by request.
         block_table: ``[num_reqs, max_blocks]`` int32.
+        dtype: the arithmetic (float64 gives the reference the kernels are held to).
     Returns:
-        ``[Td, N, L]`` float32.
+        ``[Td, N, L]`` in ``dtype``.
     """
     td, n, _ = q_lat.shape
-    out = torch.zeros(td, n, fmt.kv_lora_rank, dtype=torch.float32, device=q_lat.device)
+    out = torch.zeros(td, n, fmt.kv_lora_rank, dtype=dtype, device=q_lat.device)
     for g in groups:
         tq = g.rows.stop - g.rows.start
         if tq == 0:
             continue
-        keys = decode_latent_rows(gather_latent(kv_cache, block_table[g.req], 0, g.seq_len), fmt)
+        keys = decode_latent_rows(gather_latent(kv_cache, block_table[g.req], 0, g.seq_len), fmt,
+                                  dtype)
         pos = torch.arange(g.seq_len - tq, g.seq_len, device=keys.device).unsqueeze(1)
         visible = torch.arange(g.seq_len, device=keys.device).unsqueeze(0) <= pos
-        o, _ = latent_attention(q_lat[g.rows].to(torch.float32), keys,
+        o, _ = latent_attention(q_lat[g.rows].to(dtype), keys,
                                 kv_lora_rank=fmt.kv_lora_rank, scale=scale, visible=visible)
         out[g.rows] = o
     return out

@@ -270,7 +270,8 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     lat_desc, pe_desc = descs if descs is not None else (cache, cache)
     max_iters = -(-(-(-max_seq_len // splits)) // cfg.block_n) + 1 if interp else 0
     decode_kernel[(head_tiles * v_split, splits, t)](
-        q, lat_desc, pe_desc, cache, bt, req, pos, fmt.k_scale, out, o_part, lse_part,
+        q, lat_desc, pe_desc, cache, bt, req, pos,
+        fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), bt.stride(0),
         out.stride(0), out.stride(1), *part_strides,
         n, scale, splits,

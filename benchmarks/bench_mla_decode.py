@@ -1,0 +1,271 @@
+"""MLA decode through ``MLAAttention`` (write, then absorbed decode) against its roofline.
+
+Shapes: DeepSeek-V3's (latent 512 + rope 64, q_nope 128, v 128), batch 64, 4096
+tokens of context a request, page 64, 128 query heads and 16; bf16 model, bf16 and
+fp8 (E4M3, scale 0.37) caches. Measured in the same run:
+
+* the read rate: the larger of a 2 GiB bf16 ``copy_`` (bytes read + written per
+  second) and a pure read (``torch.sum`` of the same tensor);
+* the bf16 matmul rate: an 8192^3 ``torch.matmul``;
+* each decode step, replayed from a CUDA graph and timed by CUDA events: the layer
+  (TRITON_MLA, and FLASHMLA, whose portable path runs where ``flash_mla`` does not
+  import), the Triton decode alone (``mla_decode_triton``) and the per-row kernel it
+  replaced (``mla_decode_per_row``).
+
+The roofline of a step is ``max(flops / matmul rate, bytes / read rate)`` with
+``flops = 2 B N S (L + R) + 2 B N S L`` (scores and values) and ``bytes = B S (L + R)``
+cache elements; each row reports achieved time, roofline time and
+``roofline / achieved``. The decode's output is checked against float64 on four
+tokens (exit 1 beyond the backend's tolerance).
+
+    python benchmarks/bench_mla_decode.py --out DIR   # DIR/mla_decode.json and .txt
+
+Without CUDA: a smoke run of the script (2 requests, 64 tokens, torch path; the Triton
+kernel too under ``TRITON_INTERPRET=1``); its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import (  # noqa: E402
+    capture,
+    copy_ceiling_gbps,
+    device_info,
+    event_us,
+    print_table,
+    replay_us,
+    write_json,
+)
+
+from vllm.attention import allocate_kv_cache  # noqa: E402
+from vllm.attention.backends.mla.spec import MLALayerSpec, MLAProjection  # noqa: E402
+from vllm.attention.batch import make_paged_batch  # noqa: E402
+from vllm.attention.layer import MLAAttention  # noqa: E402
+from vllm.attention.registry import get_backend  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+
+L, R, P, V, PAGE = 512, 64, 128, 128, 64
+K_SCALE = 0.37
+
+
+def read_gbps(device: torch.device, gib: float = 2.0) -> dict[str, float]:
+    """GB/s of a copy (read + written) and of a pure read (a sum) of ``gib`` GiB."""
+    copy = copy_ceiling_gbps(device, gib)
+    x = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device).normal_()
+    us = event_us(lambda: x.sum(dtype=torch.float32), iters=10, warmup=2, device=device)
+    total = x.numel() * 2 / (us * 1e-6) / 1e9
+    del x
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"copy_gbps": copy, "sum_gbps": total, "read_gbps": max(copy, total)}
+
+
+def matmul_tflops(device: torch.device, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    us = event_us(lambda: torch.matmul(a, b), iters=20, warmup=3, device=device)
+    return 2 * n**3 / (us * 1e-6) / 1e12
+
+
+def _spec(heads: int, cache_dtype: str, device: torch.device,
+          g: torch.Generator) -> MLALayerSpec:
+    w_uk = (torch.randn(heads, P, L, generator=g) * L ** -0.5).bfloat16().to(device)
+    w_uv = (torch.randn(heads, L, V, generator=g) * L ** -0.5).bfloat16().to(device)
+    return MLALayerSpec.create(num_heads=heads, kv_lora_rank=L, qk_nope_head_dim=P,
+                               qk_rope_head_dim=R, v_head_dim=V,
+                               projection=MLAProjection(w_uk=w_uk, w_uv=w_uv),
+                               kv_cache_dtype=cache_dtype)  # type: ignore[arg-type]
+
+
+class Step:
+    """One decode step of one layer: the batch, its cache (context written) and inputs."""
+
+    def __init__(self, backend_name: str, heads: int, cache_dtype: str, batch: int,
+                 context: int, device: torch.device, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.backend = get_backend(backend_name)
+        self.spec = _spec(heads, cache_dtype, device, g)
+        self.batch = make_paged_batch([1] * batch, [context - 1] * batch, block_size=PAGE,
+                                      device=device, generator=g)
+        self.layer = MLAAttention(spec=self.spec, backend=self.backend, layer_name="mla",
+                                  k_scale=K_SCALE if cache_dtype != "auto" else None,
+                                  checked=False)
+        self.cache = allocate_kv_cache(self.backend, num_blocks=self.batch.num_blocks,
+                                       block_size=PAGE, num_kv_heads=1, head_size=L + R,
+                                       cache_dtype=cache_dtype, model_dtype=torch.bfloat16,
+                                       device=device)
+        self.layer.bind_kv_cache(self.cache, PAGE)
+        n_ctx = int(self.batch.context_slots.numel())
+        bf = dict(dtype=torch.bfloat16, device=device)
+        self.layer.kv_cache_writer.write(torch.randn(n_ctx, L, **bf), torch.randn(n_ctx, R, **bf),
+                                         self.cache, self.batch.context_slots,
+                                         self.layer.kv_quant)
+        self.meta = self.backend.get_builder_cls()(self.spec, device).build(self.batch.common)
+        self.q = torch.randn(batch, heads, P + R, **bf)
+        self.kv_c = torch.randn(batch, L, **bf)
+        self.k_pe = torch.randn(batch, R, **bf)
+        self.out = torch.empty(batch, heads * V, **bf)
+        self.context = context
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with set_forward_context(attn_metadata={"mla": self.meta},
+                                 slot_mapping={"mla": self.batch.new_slots}):
+            yield
+
+    def layer_call(self) -> None:
+        self.layer(self.q, self.kv_c, self.k_pe, self.out)
+
+    def latent_query(self) -> torch.Tensor:
+        """``[B, N, L + R]``: the absorbed query the decode kernels take."""
+        impl: Any = self.layer.impl
+        q_lat: torch.Tensor = impl._absorb(self.q)
+        return q_lat.contiguous()
+
+    def kernel(self, per_row: bool) -> Callable[[], torch.Tensor]:
+        from vllm.attention.ops.triton_mla import mla_decode_per_row, mla_decode_triton
+
+        q_lat = self.latent_query()
+        fmt = self.layer.impl.latent_format(self.layer, torch.bfloat16)  # type: ignore[attr-defined]
+        m = self.meta
+        args = (q_lat, self.cache, m.block_table, m.decode_token_req, m.decode_token_pos, fmt)
+        if per_row:
+            return lambda: mla_decode_per_row(*args, scale=self.spec.scale,
+                                              max_seq_len=m.max_decode_seq_len)
+        return lambda: mla_decode_triton(*args, scale=self.spec.scale,
+                                         max_seq_len=m.max_decode_seq_len,
+                                         out_dtype=torch.bfloat16)
+
+    def check(self, requests: int = 4) -> float:
+        """Relative error of the Triton decode on the first ``requests`` requests'
+        tokens against float64 (the torch path in float64 arithmetic)."""
+        from vllm.attention.ops.mla_attention import mla_decode_torch
+
+        m = self.meta
+        groups = m.decode_groups[:requests]
+        rows = groups[-1].rows.stop
+        out = self.kernel(per_row=False)()[:rows]
+        fmt = self.layer.impl.latent_format(self.layer, torch.bfloat16)  # type: ignore[attr-defined]
+        ref = mla_decode_torch(self.latent_query()[:rows], self.cache, m.block_table, groups,
+                               fmt, scale=self.spec.scale, dtype=torch.float64)
+        return float((out.double() - ref).norm() / ref.norm())
+
+    def roofline(self, rates: dict[str, float]) -> dict[str, float]:
+        b, n, s = self.q.shape[0], self.spec.num_heads, self.context
+        flops = 2.0 * b * n * s * (L + R) + 2.0 * b * n * s * L
+        nbytes = float(b * s * (L + R) * self.cache.element_size())
+        compute_us = flops / (rates["matmul_tflops"] * 1e12) * 1e6
+        memory_us = nbytes / (rates["read_gbps"] * 1e9) * 1e6
+        return {"gflop": flops / 1e9, "mbytes": nbytes / 1e6, "compute_us": compute_us,
+                "memory_us": memory_us, "roofline_us": max(compute_us, memory_us)}
+
+
+def _time(fn: Callable[[], object], device: torch.device, replays: int) -> float:
+    if device.type == "cuda":
+        return replay_us(capture(fn), replays=replays)
+    samples = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    rates: dict[str, float] = {}
+    if cuda:
+        rates.update(read_gbps(device))
+        rates["matmul_tflops"] = matmul_tflops(device)
+    else:
+        rates.update({"copy_gbps": 1.0, "sum_gbps": 1.0, "read_gbps": 1.0, "matmul_tflops": 1.0})
+    rows: list[dict[str, Any]] = []
+    failed = False
+    for heads in args.heads:
+        for cache_dtype in args.cache_dtypes:
+            for name in args.backends:
+                step = Step(name, heads, cache_dtype, args.batch, args.context, device)
+                with step.active():
+                    step.layer_call()
+                    path = step.layer.impl.last_path  # type: ignore[attr-defined]
+                    layer_us = _time(step.layer_call, device, args.replays)
+                roof = step.roofline(rates)
+                base = {"heads": heads, "cache": cache_dtype, **roof}
+                rows.append({**base, "what": f"{name} layer", "path": path, "us": layer_us,
+                             "fraction": roof["roofline_us"] / layer_us})
+                if name != args.backends[0] or not (cuda or args.interpret):
+                    continue
+                err = step.check()
+                tol = step.backend.tolerances[torch.bfloat16]
+                failed |= not err < tol
+                for per_row in (False, True):
+                    us = _time(step.kernel(per_row), device, args.replays)
+                    rows.append({**base, "what": "per-row kernel" if per_row else "decode kernel",
+                                 "path": "triton", "us": us,
+                                 "fraction": roof["roofline_us"] / us,
+                                 "rel_err": None if per_row else err})
+    return {"rates": rates, "rows": rows, "failed": failed}
+
+
+COLUMNS = [("heads", "N", "d"), ("cache", "cache", ""), ("what", "what", ""),
+           ("path", "path", ""), ("us", "time us", ".1f"), ("roofline_us", "roofline us", ".1f"),
+           ("fraction", "x roofline", ".3f"), ("compute_us", "flop us", ".1f"),
+           ("memory_us", "byte us", ".1f"), ("rel_err", "err", ".1e")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--heads", type=int, nargs="+", default=[128, 16])
+    p.add_argument("--cache-dtypes", nargs="+", default=["auto", "fp8"])
+    p.add_argument("--backends", nargs="+", default=["TRITON_MLA", "FLASHMLA"])
+    p.add_argument("--replays", type=int, default=100)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    args.interpret = False
+    if args.device == "cpu":
+        import os
+
+        args.interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        args.batch, args.context, args.heads = 2, 64, [16]
+        print("no CUDA: smoke configuration (2 requests, 64 tokens); numbers are meaningless")
+    result = run(args)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        r = result["rates"]
+        print(f"read {r['read_gbps']:.0f} GB/s (copy {r['copy_gbps']:.0f}, sum "
+              f"{r['sum_gbps']:.0f}); bf16 matmul {r['matmul_tflops']:.0f} TFLOP/s")
+        print_table(result["rows"], COLUMNS)
+    text = buf.getvalue()
+    print(text, end="")
+    if args.out is not None:
+        info = device_info(torch.device(args.device))
+        write_json(args.out, "mla_decode.json",
+                   {"device": info, "args": {k: str(v) for k, v in vars(args).items()},
+                    **result})
+        (args.out / "mla_decode.txt").write_text(text)
+    if result["failed"]:
+        print("FAILED: the decode kernel is outside the backend's tolerance")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""The tensor-core MLA decode on a GPU (skipped without CUDA): DeepSeek-V3's shape
+(latent 512 + rope 64, page 64) at 16 and 128 heads, bf16 and fp8 caches, against a
+float64 reference; requests of different lengths (one key, a page multiple, not),
+NaN in every slot no request owns, one split and many, each launch variant; and the
+layer (write, then compute) replayed from a CUDA graph with padded query rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.mla.helpers import latent_decode_reference, make_spec
+from vllm.attention.registry import get_backend
+
+pytestmark = pytest.mark.gpu
+
+L, R, PAGE = 512, 64, 64
+SEQ_LENS = [4096, 1, 4095, 65, 64, 3001, 129, 2048]
+_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+TOL = get_backend("TRITON_MLA").tolerances[torch.bfloat16]
+
+
+def _inputs(heads: int, cache_dtype: str, seed: int = 0) -> dict[str, Any]:
+    from vllm.attention.ops.mla_attention import LatentFormat
+
+    g = torch.Generator().manual_seed(seed)
+    counts = [-(-s // PAGE) for s in SEQ_LENS]
+    nb = sum(counts) + 3
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    bt = torch.full((len(SEQ_LENS), max(counts)), nb - 1, dtype=torch.int32)
+    at = 0
+    for r, c in enumerate(counts):
+        bt[r, :c] = perm[at: at + c]
+        at += c
+    k_scale = 0.37
+    storage = _FP8.get(cache_dtype, torch.bfloat16)
+    cache = torch.empty(nb, PAGE, L + R, dtype=storage, device="cuda")
+    cache.view(torch.uint8).fill_(0xFF)  # NaN in bf16, E4M3 and E5M2
+    for r, n in enumerate(SEQ_LENS):
+        pos = torch.arange(n)
+        rows = torch.randn(n, L + R, generator=g)
+        if cache_dtype in _FP8:
+            rows = rows / k_scale
+        cache[bt[r, pos // PAGE].long().cuda(), (pos % PAGE).cuda()] = rows.to(storage).cuda()
+    tokens = [(r, n - 1) for r, n in enumerate(SEQ_LENS)]
+    fmt = LatentFormat(cache_dtype, L, R, torch.tensor([k_scale], device="cuda"),  # type: ignore[arg-type]
+                       torch.bfloat16)
+    q = torch.randn(len(tokens), heads, L + R, generator=g).bfloat16().cuda()
+    return dict(fmt=fmt, cache=cache, bt=bt.cuda(), tokens=tokens, q=q,
+                req=torch.tensor([r for r, _ in tokens], dtype=torch.int32, device="cuda"),
+                pos=torch.tensor([p for _, p in tokens], dtype=torch.int32, device="cuda"),
+                k_scale=k_scale if cache_dtype in _FP8 else None)
+
+
+def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("splits", [None, 1, 13, 64], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_deepseek_shape_against_float64(heads: int, cache_dtype: str,
+                                        splits: int | None) -> None:
+    from vllm.attention.ops.triton_mla_decode import mla_decode_mma
+
+    x = _inputs(heads, cache_dtype)
+    before = x["cache"].view(torch.uint8).clone()
+    scale = 192 ** -0.5
+    out = mla_decode_mma(x["q"], x["cache"], x["bt"], x["req"], x["pos"], x["fmt"],
+                         scale=scale, max_seq_len=max(SEQ_LENS), num_splits=splits,
+                         out_dtype=torch.bfloat16)
+    ref = latent_decode_reference(x["q"], x["cache"], x["bt"], x["tokens"], L, scale,
+                                  x["k_scale"])
+    assert torch.equal(x["cache"].view(torch.uint8), before)
+    assert torch.isfinite(out).all()
+    assert _err(out, ref) < TOL
+
+
+VARIANTS = {  # name: MLADecodeConfig arguments
+    "bh64-bn64-w8-s2": dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
+    "bh64-bn32-w8-s2": dict(block_h=64, block_n=32, num_warps=8, num_stages=2),
+    "bh64-bn64-w8-s2-notma": dict(block_h=64, block_n=64, num_warps=8, num_stages=2,
+                                  tma=False),
+    "bh64-bn64-w4-s2-vsplit": dict(block_h=64, block_n=64, num_warps=4, num_stages=2,
+                                   v_split=2),
+    "bh16-bn16-w4-s2": dict(block_h=16, block_n=16, num_warps=4, num_stages=2),
+}
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_launch_variants(name: str, cache_dtype: str) -> None:
+    from vllm.attention.ops.triton_mla_decode import MLADecodeConfig, mla_decode_mma
+
+    x = _inputs(128, cache_dtype, seed=1)
+    cfg = MLADecodeConfig(**VARIANTS[name])
+    out = mla_decode_mma(x["q"], x["cache"], x["bt"], x["req"], x["pos"], x["fmt"], scale=0.07,
+                         max_seq_len=max(SEQ_LENS), config=cfg, num_splits=5)
+    ref = latent_decode_reference(x["q"], x["cache"], x["bt"], x["tokens"], L, 0.07,
+                                  x["k_scale"])
+    assert _err(out, ref) < TOL
+
+
+def test_hardware_e4m3_nan_reaches_the_output() -> None:
+    from vllm.attention.ops.triton_mla_decode import mla_decode_mma
+
+    x = _inputs(16, "fp8", seed=2)
+    r, p = x["tokens"][0]
+    page_of = x["bt"][r, p // PAGE].long()
+    x["cache"].view(torch.uint8)[page_of, p % PAGE, 7] = 0x7F  # E4M3 NaN in token 0's keys
+    out = mla_decode_mma(x["q"], x["cache"], x["bt"], x["req"], x["pos"], x["fmt"], scale=0.1,
+                         max_seq_len=max(SEQ_LENS))
+    assert torch.isnan(out[0]).all() and torch.isfinite(out[1:]).all()
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("name", ["TRITON_MLA", "FLASHMLA"])
+def test_layer_decode_in_a_cuda_graph(name: str, cache_dtype: str) -> None:
+    """Write then compute through MLAAttention, eager and replayed from a CUDA graph;
+    the decode runs the tensor-core kernel, rows past the step's tokens are left alone,
+    and the result is within tolerance of the float32 torch path."""
+    from vllm.attention import allocate_kv_cache
+    from vllm.attention.batch import make_paged_batch
+    from vllm.attention.layer import MLAAttention
+    from vllm.forward_context import set_forward_context
+
+    backend = get_backend(name)
+    g = torch.Generator().manual_seed(3)
+    n, p, v = 128, 128, 128
+    spec = make_spec(n=n, P=p, V=v, dtype=torch.bfloat16, cache_dtype=cache_dtype)
+    spec = type(spec).create(num_heads=n, kv_lora_rank=L, qk_nope_head_dim=p,
+                             qk_rope_head_dim=R, v_head_dim=v, kv_cache_dtype=spec.kv_cache_dtype,
+                             projection=type(spec.projection)(
+                                 w_uk=spec.projection.w_uk.cuda(),
+                                 w_uv=spec.projection.w_uv.cuda()))
+    ctx = [4000, 0, 63, 1500]
+    batch = make_paged_batch([1] * len(ctx), ctx, block_size=PAGE, device="cuda", generator=g)
+    layer = MLAAttention(spec=spec, backend=backend, layer_name="mla",
+                         k_scale=0.5 if cache_dtype == "fp8" else None, checked=False)
+    cache = allocate_kv_cache(backend, num_blocks=batch.num_blocks, block_size=PAGE,
+                              num_kv_heads=1, head_size=L + R, cache_dtype=cache_dtype,
+                              model_dtype=torch.bfloat16, device="cuda")
+    layer.bind_kv_cache(cache, PAGE)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    n_ctx = int(batch.context_slots.numel())
+    layer.kv_cache_writer.write(torch.randn(n_ctx, L, **bf), torch.randn(n_ctx, R, **bf), cache,
+                                batch.context_slots, layer.kv_quant)
+    meta = backend.get_builder_cls()(spec, torch.device("cuda")).build(batch.common)
+    t, pad = len(ctx), 3
+    q = torch.randn(t + pad, n, p + R, **bf)
+    kv_c, k_pe = torch.randn(t + pad, L, **bf), torch.randn(t + pad, R, **bf)
+    out = torch.full((t + pad, n * v), 7.0, **bf)
+    with set_forward_context(attn_metadata={"mla": meta}, slot_mapping={"mla": batch.new_slots}):
+        layer(q, kv_c, k_pe, out)
+        eager = out.clone()
+        assert "triton" in str(layer.impl.last_path)  # type: ignore[attr-defined]
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(q, kv_c, k_pe, out)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            layer(q, kv_c, k_pe, out)
+        out.fill_(7.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = out.clone()
+        layer.impl.force_path = "torch"  # type: ignore[attr-defined]
+        layer(q, kv_c, k_pe, out)
+        ref = out.clone()
+    assert torch.all(eager[t:] == 7.0) and torch.all(replayed[t:] == 7.0)
+    assert _err(replayed[:t].float(), eager[:t].double()) < 1e-3
+    assert _err(eager[:t].float(), ref[:t].double()) < TOL
