@@ -4,7 +4,7 @@ divisibility by 16, ints equal to 1) on CPU tensors, and count their SASS instru
     PYTHONPATH=. python tools/sass_count.py [name-substring ...] [--dump DIR]
 
 Without a GPU: the launches are those of ``tools/triton_compile_check.record_writers``
-(plus the MLA fp8 launches); ``--dump`` writes each kernel's SASS there. The counts are
+for sm_90 (plus the MLA fp8 launches); ``--dump`` writes each kernel's SASS there. The counts are
 static (instructions in the binary, not executed); ``docs/performance.md`` uses them to
 compare variants of one kernel, not to predict time.
 """
@@ -71,7 +71,7 @@ def launches() -> list[tuple[str, Any, tuple, dict]]:
     from vllm.attention.layouts import mla_latent_views
     from vllm.attention.writers import kernels as tw
 
-    calls = tcc.record_writers()
+    calls = tcc.record_writers(tcc.TARGETS["sm_90"])
     kern = tw.load_kernels(interpret=False)
     t = 65536
     mla = torch.zeros(4096, 16, 576, dtype=torch.uint8)

@@ -25,11 +25,15 @@ from vllm.attention.writers.kernels.cached import (
     hooks_quiet,
 )
 from vllm.attention.writers.kernels.device import (
+    GPU,
     TRITON_DEFAULT_WARPS,
+    direct_launch,
     fast_division,
+    gpu_of,
     hardware_fp8,
     hardware_fp8_nan,
     input_tiles,
+    nvidia_gpu,
     packed_widen,
     pairs_fit,
 )
@@ -62,6 +66,7 @@ from vllm.attention.writers.kernels.scatter import (
 )
 
 __all__ = [
+    "GPU",
     "LIVE_ROLES",
     "ROPE_OPTIONS",
     "ROPE_TILED_FROM",
@@ -72,14 +77,17 @@ __all__ = [
     "Launch",
     "ScatterKernel",
     "ScatterTarget",
+    "direct_launch",
     "fast_division",
     "fp8_ds_mla",
     "fp8_ds_mla_launch",
+    "gpu_of",
     "hardware_fp8",
     "hardware_fp8_nan",
     "hooks_quiet",
     "input_tiles",
     "load_kernels",
+    "nvidia_gpu",
     "packed_widen",
     "pairs_fit",
     "per_token_head",

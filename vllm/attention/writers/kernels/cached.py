@@ -13,6 +13,7 @@ from typing import Any, Final
 
 import torch
 
+from vllm.attention.writers.kernels.device import direct_launch
 from vllm.attention.writers.kernels.launch import Launch, _kernels_for
 
 
@@ -166,9 +167,10 @@ class CachedLaunch:
     """The runner of one validated write signature on the Triton path.
 
     ``build(live)`` makes the :class:`Launch` from live tensors (no checks: the
-    signature was validated once). On CUDA the first two calls run it through Triton,
-    the second binds a :class:`BoundLaunch`; later calls use that. Elsewhere (the interpreter)
-    every call builds and runs.
+    signature was validated once). On an NVIDIA GPU the first two calls run it through
+    Triton, the second binds a :class:`BoundLaunch`; later calls use that. Elsewhere (ROCm,
+    the interpreter: :func:`~vllm.attention.writers.kernels.device.direct_launch`) every
+    call builds and runs.
     """
 
     __slots__ = ("_build", "_bound", "_tried", "_seen", "binding")
@@ -205,7 +207,7 @@ class CachedLaunch:
             return
         self._tried = True
         cache = live[LIVE_ROLES["cache"]]
-        if cache.device.type != "cuda":
+        if not direct_launch(cache.device):
             return
         get_device, get_stream = _cuda_runtime()
         fn = getattr(_kernels_for(cache), launch.kernel)

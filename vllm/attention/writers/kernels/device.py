@@ -1,18 +1,22 @@
 """Which hardware paths the compiled writer kernels take on a device.
 
-Every launcher asks here: the hardware fp8 conversion (``HW_CVT``), its NaN byte
-(``HW_NAN``), the Markstein quotient (``FAST_DIV``), the reciprocal without a range
-check (``FAST_RCP``) and the packed bf16 conversions (``PACKED_WIDEN``) are each a
-launch constant decided by the functions below. The interpreter (CPU tensors)
-never takes them.
-"""
+Every launcher asks here, and every answer starts from :func:`gpu_of`: the hardware
+fp8 conversion (``HW_CVT``), its NaN byte (``HW_NAN``), the Markstein quotient
+(``FAST_DIV``), the reciprocal without a range check (``FAST_RCP``), the packed bf16
+conversions (``PACKED_WIDEN``) and the direct replay of Triton's CUDA launcher
+(:mod:`~vllm.attention.writers.kernels.cached`) exist only on NVIDIA GPUs: inline
+PTX, ``cvt.rn.satfinite``'s saturation, the CUDA launcher's arguments. ROCm builds of
+torch call AMD GPUs ``cuda`` too (an MI300 reports capability 9.4), so the device type
+alone cannot tell. Elsewhere (ROCm, the interpreter) the kernels run their plain
+Triton code, which stores the same bytes. ``docs/kernels.md`` tables it."""
 
 from __future__ import annotations
 
 import functools
 import os
 from collections.abc import Iterable, Mapping
-from typing import Final
+from dataclasses import dataclass
+from typing import Final, Literal
 
 import torch
 
@@ -23,19 +27,43 @@ def _capability(index: int) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
-    """``device``'s compute capability (the current device's for a bare ``cuda``); None
-    off CUDA."""
+@dataclass(frozen=True)
+class GPU:
+    """A GPU as the kernels' hardware paths see it."""
+
+    vendor: Literal["nvidia", "amd"]
+    capability: tuple[int, int]
+    """What torch reports: NVIDIA's compute capability; on ROCm the architecture's
+    major and minor (gfx942, MI300: 9.4), which is no NVIDIA capability."""
+
+
+def gpu_of(device: torch.device) -> GPU | None:
+    """The GPU of ``device`` (the current one for a bare ``cuda``), or None where the
+    kernels run under the interpreter. ROCm builds of torch call AMD GPUs ``cuda``
+    too; ``torch.version.hip`` tells them apart."""
     if device.type != "cuda":
         return None
     index: int | None = device.index
-    return _capability(torch.cuda.current_device() if index is None else index)
+    capability = _capability(torch.cuda.current_device() if index is None else index)
+    return GPU("nvidia" if torch.version.hip is None else "amd", capability)
+
+
+def _nvidia_capability(device: torch.device) -> tuple[int, int] | None:
+    """``device``'s compute capability on an NVIDIA GPU, else None: the one question
+    every NVIDIA-only path below starts from."""
+    gpu = gpu_of(device)
+    return gpu.capability if gpu is not None and gpu.vendor == "nvidia" else None
+
+
+def nvidia_gpu(device: torch.device) -> bool:
+    """Whether ``device`` is an NVIDIA GPU (:func:`gpu_of`)."""
+    return _nvidia_capability(device) is not None
 
 
 def hardware_fp8(device: torch.device) -> bool:
-    """Whether the compiled kernels convert to fp8 in hardware here (sm_89+: Ada, Hopper,
-    Blackwell); the interpreter and older GPUs round in integer code."""
-    cap = _cuda_capability(device)
+    """Whether the compiled kernels convert to fp8 in hardware here (NVIDIA sm_89+: Ada,
+    Hopper, Blackwell); the interpreter, older GPUs and ROCm round in integer code."""
+    cap = _nvidia_capability(device)
     return cap is not None and cap >= (8, 9)
 
 
@@ -43,12 +71,14 @@ def fast_division(device: torch.device) -> bool:
     """Whether the fp8 writers (tiled scatter, fused RoPE) divide by a scale of moderate
     size that is not a power of two (``_scale_kind`` 1) with one reciprocal per head and
     a Markstein FMA correction (``FAST_DIV``) instead of an IEEE division per element:
-    compiled CUDA kernels only (the interpreter has no true FMA); on unless
-    ``VLLM_KV_FAST_DIV=0``. It stores the division's fp8 bytes: checked on CPU with an
-    exact FMA and on the H200 for every bf16/fp16 input against 79 scales
+    where the kernels convert to fp8 in hardware (:func:`hardware_fp8`: its inline PTX
+    ``min.NaN.xorsign.abs`` needs sm_86, and it has run on GPUs only beside the hardware
+    conversion; the interpreter has no true FMA); on unless ``VLLM_KV_FAST_DIV=0``. It
+    stores the division's fp8 bytes: checked on CPU with an exact FMA and on the H200 for
+    every bf16/fp16 input against 79 scales
     (``test_fast_division_is_byte_identical_exhaustively``); split fp8 at scale 0.37
     reaches 0.98 x the copy ceiling there (``docs/performance.md``)."""
-    if device.type != "cuda":
+    if not hardware_fp8(device):
         return False
     return os.environ.get("VLLM_KV_FAST_DIV", "1") != "0"
 
@@ -70,7 +100,7 @@ def hardware_fp8_nan(device: torch.device) -> bool:
     env = os.environ.get("VLLM_KV_HW_NAN", "")
     if env in ("0", "1"):
         return env == "1"
-    return _cuda_capability(device) in _HW_NAN_CANONICAL
+    return _nvidia_capability(device) in _HW_NAN_CANONICAL
 
 
 TRITON_DEFAULT_WARPS: Final = 4
@@ -105,9 +135,18 @@ def packed_widen(kernel: str, consts: Mapping[str, int | bool], num_warps: int) 
 
 def fp8_consts(mode: int, device: torch.device) -> dict[str, int | bool]:
     """The fp8 constexprs shared by the tiled scatter and the fused RoPE kernel (the
-    launches add ``PACKED_WIDEN``, :func:`packed_widen`, once their tiles are known)."""
+    launches add ``PACKED_WIDEN``, :func:`packed_widen`, once their tiles are known).
+    ``FAST_RCP`` (inline PTX) goes with ``HW_CVT``: both only on NVIDIA sm_89+."""
     hw = mode != 0 and hardware_fp8(device)
     return {"HW_CVT": hw,
             "FAST_DIV": mode != 0 and fast_division(device),
             "HW_NAN": mode != 0 and hardware_fp8_nan(device),
             "FAST_RCP": hw}
+
+
+def direct_launch(device: torch.device) -> bool:
+    """Whether a cached launch on ``device`` may call the compiled kernel's low-level
+    launch function itself (:class:`~vllm.attention.writers.kernels.cached.BoundLaunch`):
+    it passes the arguments in the order of Triton's CUDA launcher, so NVIDIA GPUs only;
+    elsewhere every call goes through Triton's own launcher."""
+    return nvidia_gpu(device)
