@@ -34,16 +34,15 @@ from bench_mla_decode import Step  # noqa: E402
 
 # (block_h, block_n, num_warps, num_stages, v_split, tma)
 VARIANTS: list[tuple[int, int, int, int, int, bool]] = [
-    (64, 64, 8, 2, 1, True),
+    (64, 64, 8, 2, 1, True),     # the sm_90 default
     (64, 32, 8, 2, 1, True),
     (64, 32, 8, 3, 1, True),
-    (64, 64, 8, 2, 1, False),
-    (64, 64, 4, 2, 2, True),
+    (64, 128, 8, 1, 1, True),    # wider score MMAs, one stage (bf16: 80 bytes of spills)
+    (64, 64, 8, 2, 1, False),    # pointer loads
+    (64, 64, 4, 2, 2, True),     # value split, one warpgroup a program
+    (64, 64, 8, 2, 2, True),     # value split, two
     (64, 32, 4, 2, 2, True),
-    (64, 32, 4, 3, 2, True),
-    (64, 32, 8, 2, 2, True),
-    (16, 16, 4, 2, 1, True),
-    (16, 32, 4, 2, 1, True),
+    (16, 16, 4, 2, 1, True),     # Ampere-style MMA (spills on sm_90)
 ]
 SPLITS = {128: [None, 1, 2, 4], 16: [None, 2, 4, 8]}
 

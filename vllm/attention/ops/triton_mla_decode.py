@@ -83,14 +83,13 @@ def unsupported_reasons(fmt: LatentFormat, q_dtype: torch.dtype) -> list[str]:
     return reasons
 
 
-def default_config(q_dtype: torch.dtype, capability: tuple[int, int] | None, *,
-                   fp8: bool) -> MLADecodeConfig:
+def default_config(q_dtype: torch.dtype,
+                   capability: tuple[int, int] | None) -> MLADecodeConfig:
     """Tiles that compile without register spills on sm_90 and sm_100
     (``tools/triton_compile_check.py`` prints registers and spills of each launch;
     ``benchmarks/tune_mla_decode.py`` sweeps the alternatives on a GPU).
 
-    ``capability``: the CUDA device's, None under the interpreter; ``fp8``: a scaled
-    fp8 cache.
+    ``capability``: the CUDA device's, None under the interpreter.
     """
     if capability is None or q_dtype not in _HALF:
         # the interpreter's cost is per element, and float32 models (IEEE dots) are a
@@ -99,12 +98,7 @@ def default_config(q_dtype: torch.dtype, capability: tuple[int, int] | None, *,
     if capability[0] == 9:
         # 64 heads (masked below 64): the M of a Hopper warpgroup MMA, which Ampere's
         # MMA would need in registers. 8 warps hold the [64, 512] float32 accumulator in
-        # 128 registers a thread. fp8 caches widen each tile into a fixed shared buffer
-        # whose MMA descriptors the compiler keeps in registers: there the two halves of
-        # the values take a 4-warp program each, or it spills
-        if fp8:
-            return MLADecodeConfig(block_h=64, block_n=64, num_warps=4, num_stages=2,
-                                   v_split=2)
+        # 128 registers a thread: 226 in all for bf16 caches, 246 for fp8 ones
         return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
     if capability[0] >= 10:
         # the [64, 512] float32 accumulator and the scores exceed the 512 columns of
@@ -229,8 +223,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         return out
     interp = _interpreting()
     num_sms, capability = (1, None) if interp else _device_facts(q_lat.device)
-    fp8 = _FP8_CODES.get(kv_cache.dtype, 0)
-    cfg = config or default_config(q_lat.dtype, capability, fp8=fp8 != 0)
+    cfg = config or default_config(q_lat.dtype, capability)
     block_l = _next_pow2(L)
     chunks = 1 if block_l <= _MAX_BOX else 2
     lc = block_l // chunks
@@ -250,6 +243,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         raise InvalidArgumentError("num_splits", splits, f"1..{MAX_SPLITS}")
     decode_kernel, combine_kernel = _kernels(interp)
     q = q_lat if q_lat.stride(2) == 1 else q_lat.contiguous()
+    fp8 = _FP8_CODES.get(kv_cache.dtype, 0)
     cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
     bt = block_table.to(torch.int32)
     req = token_req.to(torch.int32)

@@ -218,7 +218,9 @@ def mla_decode_mma_kernel(
     if DYNAMIC_LOOP:
         # whole tiles unmasked (TMA where selected), then the partial last one masked
         n_full = (end - start) // BLOCK_N
-        for it in range(0, n_full):
+        # loop-invariant MMA descriptors of the query and of a widened fp8 tile, hoisted,
+        # would hold ~80 registers a thread for the whole loop and spill
+        for it in tl.range(0, n_full, disable_licm=True):
             m_i, l_i, acc_a, acc_b = _attend_tile(
                 start + it * BLOCK_N, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale,
                 LAT_DESC, PE_DESC, C, BT, req, col_a, col_b, stride_cb, stride_cs,
