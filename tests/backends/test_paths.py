@@ -218,3 +218,91 @@ def test_encoder_only_attends_to_this_steps_tokens() -> None:
             ref = dense(q[s:e], k[s:e], v[s:e], scale=0.125, causal=False)
             assert rel_err(out[s:e], ref) < 5e-3
         assert math.isfinite(float(out.float().sum()))
+
+
+# -- the portable paths' own choices ------------------------------------------------------
+
+def _flex_layer_step(monkeypatch: pytest.MonkeyPatch) -> tuple[Attention, torch.Tensor]:
+    """One FLEX_ATTENTION step through the layer on CPU with the flex path allowed here
+    (on CPU the backend otherwise runs torch); returns the layer and the float64 error."""
+    from vllm.attention.backends import standard
+    from vllm.attention.backends.flex_attention import FlexAttentionBackend
+
+    monkeypatch.setattr(standard, "_flex_unavailable", lambda device: None)
+    g = torch.Generator().manual_seed(11)
+    batch = make_paged_batch([6, 1], [0, 40], block_size=16, generator=g)
+    layer = Attention(num_heads=4, num_kv_heads=2, head_size=64, scale=0.125,
+                      backend=FlexAttentionBackend, layer_name="f")
+    cache = allocate_kv_cache(FlexAttentionBackend, num_blocks=batch.num_blocks, block_size=16,
+                              num_kv_heads=2, head_size=64, model_dtype=torch.float32,
+                              device="cpu")
+    fill_random_bytes(cache, 4)
+    layer.bind_kv_cache(cache, 16)
+    k_ctx = torch.randn(batch.context_slots.numel(), 2, 64, generator=g)
+    layer.kv_cache_writer.write(k_ctx, k_ctx, cache, batch.context_slots, layer.kv_quant)
+    n = batch.new_slots.numel()
+    q, k = torch.randn(n, 4, 64, generator=g), torch.randn(n, 2, 64, generator=g)
+    meta = FlexAttentionBackend.get_builder_cls()(layer.spec, CPU).build(batch.common)
+    with set_forward_context(attn_metadata={"f": meta}, slot_mapping={"f": batch.new_slots}):
+        out = layer(q, k, k)
+    keys = [torch.cat([k_ctx[:0], k[:6]]), torch.cat([k_ctx, k[6:]])]
+    errs = [rel_err(out[s:e], dense(q[s:e], kk.double(), kk.double(), scale=0.125, causal=True))
+            for (s, e), kk in zip(((0, 6), (6, 7)), keys)]
+    return layer, torch.tensor(errs)
+
+
+def test_flex_path_says_when_it_ran_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer, errs = _flex_layer_step(monkeypatch)
+    assert float(errs.max()) < 1e-4
+    assert layer.impl.last_compute_path == "flex_attention.eager"  # eager by choice on CPU
+    assert layer.impl.last_fallbacks == []
+
+
+def test_flex_path_records_why_the_compiled_kernel_did_not_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import functools
+
+    from vllm.attention.ops import flex_paged
+
+    class InductorError(RuntimeError):
+        pass
+
+    def failing(*args: object, **kwargs: object) -> torch.Tensor:
+        raise InductorError("LoweringException: NoValidChoicesError")
+
+    monkeypatch.setattr(flex_paged, "_compiled_flex", lambda: failing)
+    monkeypatch.setattr(flex_paged, "flex_paged_attention",
+                        functools.partial(flex_paged.flex_paged_attention, compiled=True))
+    layer, errs = _flex_layer_step(monkeypatch)
+    assert float(errs.max()) < 1e-4
+    assert layer.impl.last_compute_path == "flex_attention.eager"
+    assert len(layer.impl.last_fallbacks) == 1
+    assert "NoValidChoicesError" in layer.impl.last_fallbacks[0]
+
+
+def test_runnable_paths_and_notes_name_the_portable_paths() -> None:
+    from vllm.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.attention.backends.flex_attention import FlexAttentionBackend
+
+    assert TritonAttentionBackend.runnable_paths(CPU) == ["torch"]
+    assert FlexAttentionBackend.runnable_paths(CPU) == ["torch"]
+    assert FlashAttentionBackend.runnable_paths(CPU) == ["torch"]  # no vendor kernel on CPU
+    notes = " ".join(FlexAttentionBackend.compute_path_notes(CPU))
+    assert "flex_attention: device=cpu" in notes
+
+
+@pytest.mark.gpu
+def test_cuda_runnable_paths_and_notes() -> None:
+    from vllm.attention.backends.flex_attention import FlexAttentionBackend
+    from vllm.attention.ops.flash_varlen import flash_varlen_unavailable
+
+    cuda = torch.device("cuda")
+    paths = TritonAttentionBackend.runnable_paths(cuda)
+    notes = " ".join(TritonAttentionBackend.compute_path_notes(cuda))
+    if flash_varlen_unavailable(cuda) is None:
+        assert paths[:2] == ["flash_varlen", "triton"] and "flash_varlen takes" in notes
+    else:
+        assert "flash_varlen (prefill)" in notes
+    flex_notes = " ".join(FlexAttentionBackend.compute_path_notes(cuda))
+    assert "torch.compile(flex_attention" in flex_notes
+    assert FlexAttentionBackend.runnable_paths(cuda)[:2] == ["flex_attention", "flex_attention.eager"]

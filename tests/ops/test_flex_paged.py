@@ -1,15 +1,27 @@
-"""FlexAttention over paged caches (eager on CPU), against float64 attention over
-the dequantised K/V. Runs under ``filterwarnings=error``: the eager-mode
-``UserWarning`` of torch's flex_attention must not escape the op."""
+"""FlexAttention over paged caches against float64 attention over the dequantised K/V:
+gather mode eager on CPU, the compiled paths through Dynamo on CPU (Inductor, on CUDA,
+under the gpu marker), the choice of mode, and that steps of new lengths do not
+recompile. Runs under ``filterwarnings=error``: the eager-mode ``UserWarning`` of
+torch's flex_attention must not escape the op."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
 import torch
 
-from tests.ops.paged_cases import TOLERANCE, Case, L, build, layout_cases, option_cases, rel_err
+from tests.ops.paged_cases import (
+    TOLERANCE,
+    Built,
+    Case,
+    L,
+    build,
+    layout_cases,
+    option_cases,
+    rel_err,
+)
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.flex_paged import flex_paged_attention, page_table_supported
 
@@ -23,10 +35,8 @@ GATHER_CASES = (
 )
 
 
-def _run(case: Case, mode: str, zero_unused: bool = False) -> float:
+def _run(case: Case, mode: str) -> float:
     b = build(case)
-    if zero_unused:  # page_table mode multiplies unowned slots by p = 0: make them finite
-        b.kv_cache.nan_to_num_(0.0)
     out = b.new_output()
     flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
                          causal=case.causal, sliding_window=case.sliding_window,
@@ -43,19 +53,107 @@ def test_flex_gather_matches_float64_reference(case: Case) -> None:
 
 
 PAGE_TABLE_CASES = [
-    Case(L.SPLIT_BLOCK_INTERLEAVED, **SMALL),  # type: ignore[arg-type]
-    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.bfloat16, sliding_window=9, logits_soft_cap=4.0, **SMALL),  # type: ignore[arg-type]
-    Case(L.SPLIT_KV_FIRST, block_size=32, group=8, num_kv_heads=1, **SMALL),  # type: ignore[arg-type]
+    Case(L.SPLIT_BLOCK_INTERLEAVED, query_lens=(1, 1, 1, 1), context_lens=(0, 20, 35, 11)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.bfloat16, sliding_window=9, logits_soft_cap=4.0,
+         query_lens=(1, 1, 1), context_lens=(40, 3, 16)),
+    Case(L.SPLIT_KV_FIRST, block_size=32, group=8, num_kv_heads=1, query_lens=(1,) * 5,
+         context_lens=(63, 64, 0, 95, 31)),
     Case(L.DIFFKV_PACKED, head_size=32, head_size_v=16, **SMALL),  # type: ignore[arg-type]
-    Case(L.SPLIT_KV_FIRST, tree=True, query_lens=(4, 1, 7, 12, 5), context_lens=(20, 33, 0, 9, 16)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, sliding_window=20, query_lens=(9, 9), context_lens=(30, 7)),
     Case(L.SPLIT_BLOCK_INTERLEAVED, causal=False, **SMALL),  # type: ignore[arg-type]
+    Case(L.SPLIT_BLOCK_INTERLEAVED, query_lens=(1,), context_lens=(44,)),
 ]
 
 
+@pytest.fixture
+def dynamo_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compile with Dynamo and no Inductor: on this CPU Inductor cannot lower
+    flex_attention (a C++ compile error in its CPU template, and no log-sum-exp on CPU),
+    while Dynamo, whose guards decide recompiles, runs as on CUDA. The kernel itself is
+    then flex's dense reference, which multiplies every slot, so these tests replace the
+    NaN of unowned slots by a large finite value: a slot read by mistake shows as error."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from vllm.attention.ops import flex_paged
+
+    compiled = functools.cache(lambda: torch.compile(flex_attention, backend="aot_eager",
+                                                     fullgraph=True, dynamic=True))
+    monkeypatch.setattr(flex_paged, "_compiled_flex", compiled)
+
+
+def _poison_finite(b: Built) -> None:
+    b.kv_cache.nan_to_num_(nan=6.0)
+
+
+@pytest.mark.usefixtures("dynamo_only")
 @pytest.mark.parametrize("case", PAGE_TABLE_CASES, ids=[c.id() for c in PAGE_TABLE_CASES])
 def test_flex_page_table_matches_float64_reference(case: Case) -> None:
-    err = _run(case, "page_table", zero_unused=True)
+    from vllm.attention.ops import flex_paged
+
+    b = build(case)
+    _poison_finite(b)
+    out = b.new_output()
+    flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
+                         causal=case.causal, sliding_window=case.sliding_window,
+                         logits_soft_cap=case.logits_soft_cap, mode="page_table", compiled=True)
+    assert flex_paged.last_run == flex_paged.FlexRun("page_table", True)
+    assert not out.isnan().any()
+    err = rel_err(out, b.reference)
     assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
+
+
+def test_page_table_mode_needs_the_compiled_kernel() -> None:
+    b = build(PAGE_TABLE_CASES[0])
+    with pytest.raises(InvalidArgumentError, match="compiled"):
+        flex_paged_attention(b.query, b.kv, b.batch.common, scale=1.0, output=b.new_output(),
+                             mode="page_table", compiled=False)
+
+
+def test_auto_mode_reads_decodes_in_place_and_gathers_the_rest() -> None:
+    from vllm.attention.ops.flex_paged import choose_mode
+
+    decode = build(PAGE_TABLE_CASES[0])
+    mixed = build(Case(L.SPLIT_BLOCK_INTERLEAVED, **SMALL))  # type: ignore[arg-type]
+    nhd = build(Case(L.SPLIT_NHD, query_lens=(1, 1), context_lens=(3, 9)))
+    kw = dict(compiled=True, tree=False)
+    assert choose_mode(decode.kv, decode.batch.common, torch.float32, **kw) == "page_table"  # type: ignore[arg-type]
+    assert choose_mode(mixed.kv, mixed.batch.common, torch.float32, **kw) == "gather"  # type: ignore[arg-type]
+    assert choose_mode(nhd.kv, nhd.batch.common, torch.float32, **kw) == "gather"  # type: ignore[arg-type]
+    assert choose_mode(decode.kv, decode.batch.common, torch.float32, compiled=False,
+                       tree=False) == "gather"
+    assert choose_mode(decode.kv, decode.batch.common, torch.float32, compiled=True,
+                       tree=True) == "gather"
+
+
+@pytest.mark.usefixtures("dynamo_only")
+def test_steps_of_new_lengths_do_not_recompile() -> None:
+    """One compiled graph per mode serves steps of any length: after one step of each,
+    steps with other token counts, key counts and batch sizes (1 included) compile
+    nothing new."""
+    from torch._dynamo.utils import counters
+
+    from vllm.attention.ops import flex_paged
+
+    def step(qlens: tuple[int, ...], clens: tuple[int, ...], mode: str = "auto") -> None:
+        case = Case(L.SPLIT_BLOCK_INTERLEAVED, query_lens=qlens, context_lens=clens)
+        b = build(case)
+        _poison_finite(b)
+        out = b.new_output()
+        flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
+                             compiled=True, mode=mode)  # type: ignore[arg-type]
+        assert flex_paged.last_run is not None and flex_paged.last_run.compiled
+        assert rel_err(out, b.reference) <= TOLERANCE[case.dtype]
+
+    step((3, 7, 1), (30, 2, 60))          # gather
+    step((1, 1, 1), (30, 2, 60))          # page_table
+    graphs = counters["stats"]["unique_graphs"]
+    for qlens, clens in [((1, 5, 1, 9), (0, 20, 35, 11)), ((130, 2), (5, 300)), ((1,), (0,)),
+                         ((200, 1, 1, 7, 9), (10, 20, 30, 40, 50)), ((1,) * 5, (31, 5, 60, 15, 47)),
+                         ((1,), (100,)), ((1,) * 9, (1, 2, 3, 4, 5, 6, 7, 8, 9))]:
+        step(qlens, clens)
+    step((1,), (7,), "gather")            # one query: padded to two rows
+    step((1, 1), (7, 0), "gather")
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_page_table_mode_says_why_not() -> None:
@@ -79,16 +177,17 @@ def test_eager_warning_is_silenced_only_inside_the_op() -> None:
     assert not [w for w in seen if "flex_attention" in str(w.message)]
 
 
+@pytest.mark.usefixtures("dynamo_only")
 @pytest.mark.parametrize("mode", ["gather", "page_table"])
 def test_flex_cross_attention(mode: str) -> None:
     """Non-causal with more queries than keys (encoder-decoder)."""
     from tests.ops.paged_cases import cross_attention_case
 
     b, batch, q, ref = cross_attention_case(layout=L.SPLIT_KV_FIRST)
-    b.kv_cache.nan_to_num_(0.0)
+    b.kv_cache.nan_to_num_(nan=6.0)
     out = torch.full((q.shape[0], b.case.num_heads, b.case.dv), float("nan"))
     flex_paged_attention(q, b.kv, batch, scale=b.case.scale, output=out, causal=False,
-                         mode=mode)  # type: ignore[arg-type]
+                         mode=mode, compiled=mode == "page_table")  # type: ignore[arg-type]
     assert rel_err(out, ref) <= TOLERANCE[torch.float32]
 
 
@@ -110,6 +209,8 @@ def test_inductor_failure_falls_back_to_eager_flex(monkeypatch: pytest.MonkeyPat
     flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
                          compiled=True)
     assert rel_err(out, b.reference) <= TOLERANCE[case.dtype]
+    run = flex_paged.last_run
+    assert run is not None and not run.compiled and "NoValidChoicesError" in str(run.eager_reason)
 
     def other(*args: object, **kwargs: object) -> torch.Tensor:
         raise ValueError("a real error in the call")
@@ -118,3 +219,68 @@ def test_inductor_failure_falls_back_to_eager_flex(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="real error"):
         flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale,
                              output=b.new_output(), compiled=True)
+
+
+# -- CUDA: Inductor's kernels ------------------------------------------------------------
+
+GPU_CASES = [
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.bfloat16, num_kv_heads=2, group=4, head_size=128,
+         query_lens=(1,) * 6, context_lens=(4000, 17, 2047, 1, 300, 1023)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.float16, num_kv_heads=1, group=8, head_size=64,
+         block_size=32, sliding_window=100, logits_soft_cap=20.0, query_lens=(1,) * 3,
+         context_lens=(700, 31, 95)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.bfloat16, num_kv_heads=2, group=4, head_size=128,
+         block_size=128, query_lens=(1,) * 4, context_lens=(129, 1000, 5, 512)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.bfloat16, num_kv_heads=2, group=4, head_size=128,
+         query_lens=(300, 1, 77, 1000), context_lens=(0, 900, 200, 1000)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.float16, num_kv_heads=1, group=8, head_size=64,
+         sliding_window=64, query_lens=(500, 3), context_lens=(100, 40)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.bfloat16, causal=False, query_lens=(33, 7),
+         context_lens=(10, 50)),
+    Case(L.SPLIT_KV_FIRST, dtype=torch.bfloat16, tree=True, query_lens=(4, 1, 7, 12, 5),
+         context_lens=(20, 33, 0, 9, 16)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c.id() for c in GPU_CASES])
+def test_cuda_compiled_flex(case: Case) -> None:
+    """Inductor's kernels over caches whose unowned slots are NaN (the page_table mode
+    must never list a partly written page)."""
+    from vllm.attention.ops import flex_paged
+
+    b = build(case, "cuda")
+    out = b.new_output()
+    flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
+                         causal=case.causal, sliding_window=case.sliding_window,
+                         logits_soft_cap=case.logits_soft_cap, tree_mask=b.tree_mask)
+    run = flex_paged.last_run
+    assert run is not None and run.compiled, f"ran eagerly: {run}"
+    assert run.mode == ("page_table" if max(case.query_lens) == 1 and not case.tree else "gather")
+    err = rel_err(out, b.reference)
+    assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+def test_cuda_steps_of_new_lengths_do_not_recompile() -> None:
+    from torch._dynamo.utils import counters
+
+    from vllm.attention.ops import flex_paged
+
+    def step(qlens: tuple[int, ...], clens: tuple[int, ...]) -> None:
+        case = Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.bfloat16, num_kv_heads=2,
+                    group=4, head_size=128, query_lens=qlens, context_lens=clens)
+        b = build(case, "cuda")
+        out = b.new_output()
+        flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out)
+        assert flex_paged.last_run is not None and flex_paged.last_run.compiled, flex_paged.last_run
+        assert rel_err(out, b.reference) <= TOLERANCE[case.dtype]
+
+    step((300, 2), (0, 100))
+    step((1, 1, 1), (30, 2, 600))
+    graphs = counters["stats"]["unique_graphs"]
+    for qlens, clens in [((1, 5, 1, 9), (0, 20, 35, 11)), ((1000, 24), (5, 300)), ((1,), (0,)),
+                         ((1,) * 17, tuple(range(100, 1800, 100))), ((64,), (4000,)),
+                         ((1,) * 5, (31, 5, 60, 15, 47))]:
+        step(qlens, clens)
+    assert counters["stats"]["unique_graphs"] == graphs

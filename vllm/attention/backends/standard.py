@@ -90,10 +90,10 @@ class StandardBackend(AttentionBackend[SM]):
     """Vendor kernels in order of preference; each declares what it takes."""
     portable_path: ClassVar[PortablePath] = "triton"
     """What runs on CUDA when no vendor kernel takes the call (torch when it cannot run)."""
-    flex_mode: ClassVar[FlexMode] = "gather"
-    """How the flex path presents pages (``vllm.attention.ops.flex_paged``): ``gather``
-    reads only owned positions; ``page_table`` is zero-copy but needs every unowned slot
-    to hold finite values (a zero-filled cache), which ``allocate_kv_cache`` does not give."""
+    flex_mode: ClassVar[FlexMode] = "auto"
+    """How the flex path presents pages (``vllm.attention.ops.flex_paged``): ``auto``
+    reads decode batches in place through the page table (compiled) and gathers the
+    positions of every other batch."""
 
     @classmethod
     def get_kv_cache_writer(cls, cache_dtype: KVCacheDType = "auto") -> KVCacheWriter:
@@ -141,12 +141,15 @@ class StandardBackend(AttentionBackend[SM]):
     @classmethod
     def runnable_paths(cls, device: torch.device) -> list[ComputePath]:
         """Every path a call may run on ``device``: the usable vendor kernels, then the
-        portable ones (with Triton, torch's flash varlen kernel takes prefills), torch."""
+        portable ones (with Triton, torch's flash varlen kernel takes prefills; compiled
+        flex_attention may run eagerly), torch."""
         paths: list[ComputePath] = [k.name for k in cls.usable_vendor_kernels(device)]
         fallback = cls.fallback_path(device)
         if fallback == "triton" and _flash_varlen_unavailable(device) is None:
             paths.append("flash_varlen")
         paths.append(fallback)
+        if fallback == "flex_attention":
+            paths.append("flex_attention.eager")  # where Inductor cannot lower a call
         if fallback != "torch":
             paths.append("torch")
         return paths
@@ -251,15 +254,19 @@ class StandardImpl(AttentionImpl[SM]):
         path = self.backend.fallback_path(call.kv.device)
         spec = self.spec
         if path == "flex_attention":
-            from vllm.attention.ops.flex_paged import flex_paged_attention
+            from vllm.attention.ops import flex_paged
 
-            flex_paged_attention(
+            flex_paged.flex_paged_attention(
                 call.query, call.kv, call.meta, scale=spec.scale, output=call.output,
                 causal=call.causal, sliding_window=spec.sliding_window,
                 logits_soft_cap=spec.logits_soft_cap, tree_mask=call.tree_mask,
                 mode=self.backend.flex_mode,
             )
-            self.last_compute_path = "flex_attention"
+            run = flex_paged.last_run
+            eager = run is not None and not run.compiled
+            self.last_compute_path = "flex_attention.eager" if eager else "flex_attention"
+            if run is not None and run.eager_reason is not None:
+                self.last_fallbacks.append(f"flex_attention compiled: {run.eager_reason}")
             return call.output
         chosen = choose_path(
             call.query, call.kv, call.meta, causal=call.causal,

@@ -1,46 +1,63 @@
 """FlexAttention over a paged cache (``torch.nn.attention.flex_attention``).
 
-Two ways to present the pages to ``flex_attention`` (``mode``):
+Two ways to present the pages to ``flex_attention`` (``mode``; ``"auto"`` picks):
 
-* ``"gather"`` (default): each request's positions are gathered (and
-  dequantised) into one packed K/V sequence; a ``mask_mod`` over request ids and
-  positions gives causality, sliding window and tree masks. Only positions a
-  request owns are read, so unwritten slots never matter. Works for every layout
-  and cache format.
-* ``"page_table"``: the cache itself is the K/V sequence (all ``nb * bs`` slots,
-  zero copy) and the ``mask_mod`` maps each physical slot to its logical position
-  through an inverse page table. Only for layouts whose block and token axes merge
-  into one strided axis (K/V-first, block-interleaved, DiffKV) with ``auto``
-  caches in the query's dtype. Masked keys still pass through ``p @ v`` with
-  ``p = 0``, so slots no request owns must hold finite values (vLLM zero-fills its
-  caches; ``allocate_kv_cache`` does not).
+* ``"page_table"`` (decode batches, zero copy): the cache itself is the K/V sequence
+  (all ``nb * bs`` slots of the layouts whose block and token axes merge: K/V-first,
+  block-interleaved, DiffKV; ``auto`` caches in the query's dtype). Each request is
+  one batch entry of the query (``[B, Hq, max_q_len, D]``, ``B`` rounded up to a power
+  of two so the compiled kernel sees few batch sizes), and its block-table row *is* the
+  block mask's list of KV blocks (``BlockMask.from_kv_blocks``, one sparse block per
+  page). A ``mask_mod`` maps each slot back to its logical position through a
+  physical-to-logical page table (causal, window). The kernel multiplies every row of
+  a listed page by its probability, zero or not, so a row nobody wrote (NaN, say) would
+  poison the result: a request's last, partly written page is therefore never listed;
+  its written rows are gathered and attended in float32 torch, and the two parts are
+  merged by their log-sum-exp.
+* ``"gather"`` (prefill, mixed batches, every layout and cache format): each
+  request's positions are gathered (and dequantised) into one packed K/V sequence in
+  one indexed copy; a ``mask_mod`` over request ids and positions gives causality,
+  sliding window and tree masks. The block mask is built directly from the lengths:
+  for each 128-query block, the 128-key blocks its requests can see, with the blocks
+  every row sees whole marked full (no ``mask_mod`` evaluated there).
 
-Compilation: on CUDA the call goes through ``torch.compile(flex_attention)``. On CPU
-it runs eagerly; torch 2.13 then warns once per process (a ``UserWarning``,
-"flex_attention called without torch.compile() ...") that the unfused path
-materialises the score matrix. That path is the one we choose on CPU (it is the
-portable fallback, exact and small-shape), so the warning is silenced here, for
-this call only and by its message; ``compiled=True`` runs inductor on CPU too.
+Compilation: ``torch.compile(flex_attention, fullgraph=True, dynamic=True)``, compiled
+once per process; token counts, key counts and the (bucketed) batch are symbolic, so
+steps of new lengths reuse the compiled kernel (a size of 1 is its own specialisation).
+The ``mask_mod``s capture only tensors and per-layer constants (block size, window,
+causality). Where Inductor cannot lower a call the op runs ``flex_attention`` eagerly
+(unfused: it materialises the scores, so always over gathered K/V) and says why in
+:data:`last_run`. On CPU the op runs eagerly unless ``compiled=True``; torch then warns
+once per process that the unfused path materialises the score matrix, which is the
+path we choose there, so that warning is silenced for this call only, by its message.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import warnings
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.paged_args import PagedBatchLike, check_paged_args
-from vllm.attention.ops.paged_attention import read_request
-from vllm.attention.ops.paged_kv import Dequant, PagedKV
+from vllm.attention.ops.paged_kv import Dequant, PagedKV, PagedOperand
 from vllm.attention.types import KVCacheLayout
 
-FlexMode = Literal["gather", "page_table"]
+FlexMode = Literal["auto", "gather", "page_table"]
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+Q_BLOCK = 128
+"""Queries per block-mask row (both modes)."""
+KV_BLOCK = 128
+"""Keys per block-mask column in gather mode (page_table mode: one page)."""
 
 _EAGER_WARNING = r"flex_attention called without torch\.compile\(\)"
 _ZERO_COPY_LAYOUTS = (
@@ -50,56 +67,113 @@ _ZERO_COPY_LAYOUTS = (
 )
 
 
+@dataclass(frozen=True)
+class FlexRun:
+    """What the last :func:`flex_paged_attention` call ran."""
+
+    mode: Literal["gather", "page_table"]
+    compiled: bool
+    eager_reason: str | None = None
+    """Why a call that asked for the compiled kernel ran eagerly (None: it did not)."""
+
+
+last_run: FlexRun | None = None
+"""The last call's :class:`FlexRun` (per process; read by the backend after a call)."""
+
+
 @functools.cache
 def _compiled_flex() -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
 
-    # dynamic=None: serving changes the shapes every step; after the first recompile
-    # Dynamo marks the changing sizes dynamic instead of recompiling per shape (with
-    # dynamic=False a served model hit the recompile limit within 8 steps).
-    return torch.compile(flex_attention)
-
-
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: Any,
-          score_mod: ScoreMod | None, scale: float, compiled: bool) -> torch.Tensor:
-    """``flex_attention`` on ``[1, H, L, D]`` tensors with GQA; ``[1, Hq, Lq, Dv]`` out."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    fn: Callable[..., Any] = flex_attention
-    if compiled:
-        try:
-            with warnings.catch_warnings():
-                # past Dynamo's recompile limit the compiled function runs flex eagerly,
-                # which warns: the same unfused fallback as below, silenced alike
-                warnings.filterwarnings("ignore", message=_EAGER_WARNING, category=UserWarning)
-                out = _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                       scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-            return _checked(out)
-        except Exception as exc:
-            if not _is_compile_failure(exc):
-                raise
-            # Inductor cannot lower every shape (seen on an H200: GQA 8 and a
-            # non-causal batch, "NoValidChoicesError"); the eager flex_attention
-            # computes the same function, unfused.
-            compiled = False
-    with warnings.catch_warnings():
-        if not compiled:
-            warnings.filterwarnings("ignore", message=_EAGER_WARNING, category=UserWarning)
-        out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                 enable_gqa=q.shape[1] != k.shape[1])
-    return _checked(out)
-
-
-def _checked(out: object) -> torch.Tensor:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"flex_attention returned {type(out).__name__}, expected a Tensor")
-    return out
+    # dynamic=True: token and key counts change every step; compiling them symbolic
+    # from the first call means one compile, not one per shape until Dynamo notices.
+    return torch.compile(flex_attention, fullgraph=True, dynamic=True)
 
 
 def _is_compile_failure(exc: BaseException) -> bool:
     """An Inductor / Dynamo backend failure (not an error in the call itself)."""
     names = {c.__name__ for c in type(exc).__mro__}
-    return bool(names & {"InductorError", "BackendCompilerFailed", "LoweringException"})
+    return bool(names & {"InductorError", "BackendCompilerFailed", "LoweringException",
+                         "Unsupported", "TorchRuntimeError", "FailOnRecompileLimitHit"})
+
+
+def _call_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: Any,
+               score_mod: ScoreMod | None, scale: float, compiled: bool, lse: bool,
+               kernel_options: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``flex_attention`` on ``[B, H, L, D]`` tensors with GQA: ``[B, Hq, Lq, Dv]`` out and,
+    with ``lse``, the natural-log log-sum-exp ``[B, Hq, Lq]`` (``-inf`` for a row that
+    sees no key). Raises what the compiled call raises."""
+    from torch.nn.attention import flex_attention as fa
+
+    # (getattr: mypy types the overloaded flex_attention as a bare "function")
+    fn: Callable[..., Any] = _compiled_flex() if compiled else getattr(fa, "flex_attention")
+    kwargs: dict[str, Any] = dict(score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                  enable_gqa=q.shape[1] != k.shape[1])
+    aux = getattr(fa, "AuxRequest", None)
+    if lse:
+        if aux is not None:
+            kwargs["return_aux"] = aux(lse=True)
+        else:
+            kwargs["return_lse"] = True
+    if compiled and kernel_options:
+        kwargs["kernel_options"] = kernel_options
+    if compiled:
+        _mark_sizes_dynamic(block_mask)
+    with warnings.catch_warnings(), _compile_limits(compiled):
+        # eager flex (our CPU path) warns that it is unfused: the path we chose,
+        # silenced for this call only
+        warnings.filterwarnings("ignore", message=_EAGER_WARNING, category=UserWarning)
+        result = fn(q, k, v, **kwargs)
+    if not lse:
+        return _tensor(result), None
+    out, extra = result
+    lse_t = extra.lse if hasattr(extra, "lse") else extra
+    return _tensor(out), _tensor(lse_t)
+
+
+def _mark_sizes_dynamic(block_mask: Any) -> None:
+    """Compile the block mask's sizes (and those of the tensors its ``mask_mod``
+    captures) symbolic from the first call: ``dynamic=True`` reaches the arguments, not
+    the tensors inside them, which would otherwise cost a recompile on the second step."""
+    tensors = [block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+               block_mask.full_kv_indices]
+    for cell in getattr(block_mask.mask_mod, "__closure__", None) or ():
+        contents = cell.cell_contents
+        if isinstance(contents, torch.Tensor):
+            tensors.append(contents)
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            for dim in range(t.dim()):
+                if t.shape[dim] >= 2:
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+RECOMPILE_LIMIT = 32
+"""Compiled variants of ``flex_attention`` a process may hold (one per combination of
+layer options and per size specialisation; a model needs a handful)."""
+
+
+def _compile_limits(compiled: bool) -> contextlib.AbstractContextManager[Any]:
+    """Past its recompile limit Dynamo would run ``flex_attention`` eagerly without a
+    word (over the whole cache, in page_table mode): raise instead, so the op falls back
+    to the gathered eager path and says so."""
+    if not compiled:
+        return contextlib.nullcontext()
+    import torch._dynamo.config as dynamo_config
+
+    wanted: dict[str, Any] = {
+        "recompile_limit": max(RECOMPILE_LIMIT, dynamo_config.recompile_limit),
+        "fail_on_recompile_limit_hit": True,
+    }
+    patch: contextlib.AbstractContextManager[Any] = dynamo_config.patch(
+        {k: v for k, v in wanted.items() if hasattr(dynamo_config, k)})
+    return patch
+
+
+def _tensor(x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"flex_attention returned {type(x).__name__}, expected a Tensor")
+    return x
 
 
 def page_table_supported(kv: PagedKV, query_dtype: torch.dtype) -> str | None:
@@ -114,7 +188,34 @@ def page_table_supported(kv: PagedKV, query_dtype: torch.dtype) -> str | None:
     return None
 
 
-def _score_mod(logits_soft_cap: float | None) -> ScoreMod | None:
+def choose_mode(kv: PagedKV, batch: PagedBatchLike, query_dtype: torch.dtype, *,
+                compiled: bool, tree: bool, mode: FlexMode = "auto") -> Literal["gather", "page_table"]:
+    """``auto``: ``page_table`` for compiled decode batches (every request one query)
+    the cache allows, else ``gather``. A named mode is checked and returned."""
+    if mode == "gather":
+        return "gather"
+    reason = page_table_supported(kv, query_dtype)
+    if tree:
+        reason = reason or "a draft-tree mask"
+    if mode == "page_table":
+        if reason is not None:
+            raise InvalidArgumentError("mode", mode, f"'gather' or 'auto' here: {reason}")
+        return "page_table"
+    return "page_table" if reason is None and compiled and batch.max_query_len <= 1 else "gather"
+
+
+def compiled_note(device: torch.device) -> str:
+    """What runs ``flex_attention`` on ``device``, for ``compute_path_notes``."""
+    if device.type != "cuda":
+        return (f"flex_attention: device={device.type} runs it eagerly (unfused: it "
+                "materialises the scores), over gathered K/V")
+    return ("flex_attention: torch.compile(flex_attention, dynamic=True), decode batches "
+            "zero-copy through the page table, prefill and mixed batches over gathered "
+            "K/V; a call Inductor cannot lower runs eagerly (unfused), and the impl's "
+            "last_fallbacks says why")
+
+
+def _soft_cap_mod(logits_soft_cap: float | None) -> ScoreMod | None:
     if logits_soft_cap is None:
         return None
     cap = logits_soft_cap
@@ -125,6 +226,402 @@ def _score_mod(logits_soft_cap: float | None) -> ScoreMod | None:
 
     return soft_cap
 
+
+# -- gather mode -------------------------------------------------------------------------
+
+def _gather_mask(q_req: torch.Tensor, q_pos: torch.Tensor, key_start: torch.Tensor,
+                 seq_lens: torch.Tensor, q_ctx: torch.Tensor, tree: torch.Tensor | None, *,
+                 causal: bool, window: int | None) -> MaskMod:
+    """Exact visibility over the packed keys: same request, causal / window / tree."""
+    width = 0 if tree is None else tree.shape[1]
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                 kv_idx: torch.Tensor) -> torch.Tensor:
+        r = q_req[q_idx]
+        start = key_start[r]
+        pos = kv_idx - start
+        visible = (kv_idx >= start) & (pos < seq_lens[r])
+        qp = q_pos[q_idx]
+        if tree is not None:
+            j = (pos - q_ctx[r]).clamp(0, width - 1)
+            visible = visible & ((pos < q_ctx[r]) | tree[q_idx, j])
+        elif causal:
+            visible = visible & (pos <= qp)
+        if window is not None:
+            visible = visible & (qp - pos < window)
+        return visible
+
+    return mask_mod
+
+
+def _rows_of(op: PagedOperand, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+    """Stored rows ``[N, H, D]`` at (block, offset) pairs (int64 ``[N]``), one indexed copy."""
+    view = op.block_view()  # [nb, bs/ts, ts, H, D/ds, ds]
+    ts = op.token_split
+    rows = view[blk, off // ts, off % ts]
+    return rows.reshape(blk.shape[0], op.num_heads, op.head_size)
+
+
+def _dequantised(kv: PagedKV, op: PagedOperand, scale: torch.Tensor, blk: torch.Tensor,
+                 off: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    rows = _rows_of(op, blk, off)
+    if kv.dequant is Dequant.NONE:
+        return rows.to(dtype)
+    if kv.dequant is Dequant.SCALED:
+        return (rows.to(torch.float32) * scale.view(1, -1, 1)).to(dtype)
+    if op.scales is None:
+        raise InvalidArgumentError("kv", kv.cache_dtype, "per-token-head scales with the cache")
+    return (rows.to(torch.float32) * op.scales[blk, off].unsqueeze(-1)).to(dtype)
+
+
+def gather_tokens(kv: PagedKV, batch: PagedBatchLike, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every request's positions packed: K ``[S, H, D]``, V ``[S, H, Dv]`` dequantised to
+    ``dtype`` (``S = sum(seq_lens)``), and each request's first row ``[num_reqs + 1]``
+    (int64). Only owned positions are read. No host sync (``S`` from the host lengths)."""
+    dev = kv.device
+    lens = batch.seq_lens.to(torch.int64)
+    start = torch.zeros(batch.num_reqs + 1, dtype=torch.int64, device=dev)
+    start[1:] = torch.cumsum(lens, 0)
+    total = int(batch.seq_lens_cpu.to(torch.int64).sum())
+    req = torch.repeat_interleave(torch.arange(batch.num_reqs, device=dev), lens,
+                                  output_size=total)
+    pos = torch.arange(total, device=dev) - start[req]
+    bs = kv.block_size
+    blk = batch.block_table[req, pos // bs].to(torch.int64)
+    off = pos % bs
+    k = _dequantised(kv, kv.key, kv.k_scale, blk, off, dtype)
+    v = _dequantised(kv, kv.value, kv.v_scale, blk, off, dtype)
+    return k, v, start
+
+
+def _gather_block_lists(q_lens: torch.Tensor, seq_lens: torch.Tensor, *, causal: bool,
+                        window: int | None, tree: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host-side block lists of the packed layout, one row per ``Q_BLOCK`` queries:
+    ``(kv_num_blocks [nq], kv_indices [nq, w], full_num [nq], full_indices [nq, w'])``
+    (int32): the ``KV_BLOCK`` key blocks the rows may see, split into partial (masked)
+    and full (every row sees every key). ``q_lens``/``seq_lens``: int64 host ``[R]``."""
+    ctx = seq_lens - q_lens
+    key_start = torch.cumsum(seq_lens, 0) - seq_lens
+    tokens = int(q_lens.sum())
+    q_req = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)
+    q_pos = torch.arange(tokens) - torch.repeat_interleave(torch.cumsum(q_lens, 0) - q_lens - ctx, q_lens)
+    first = torch.arange(0, tokens, Q_BLOCK)
+    last = torch.clamp(first + Q_BLOCK, max=tokens) - 1
+    r0, r1 = q_req[first], q_req[last]
+    p0, p1 = q_pos[first], q_pos[last]
+    lo = key_start[r0]
+    if window is not None:
+        lo = lo + torch.clamp(p0 - window + 1, min=0)
+    hi = key_start[r1] + (p1 + 1 if causal and not tree else seq_lens[r1])
+    single = (r0 == r1) & torch.tensor(not tree)
+    full_lo = key_start[r0] + (torch.clamp(p1 - window + 1, min=0) if window is not None else 0)
+    full_hi = key_start[r0] + (p0 + 1 if causal else seq_lens[r0])
+    part_lo, part_hi = lo // KV_BLOCK, -(-hi // KV_BLOCK)
+    f_lo = torch.maximum(-(-full_lo // KV_BLOCK), part_lo)
+    f_hi = torch.minimum(full_hi // KV_BLOCK, part_hi)
+    empty = ~single | (f_hi <= f_lo)
+    f_lo = torch.where(empty, part_hi, f_lo)
+    f_hi = torch.where(empty, part_hi, f_hi)
+    n_full = f_hi - f_lo
+    n_low = f_lo - part_lo
+    n_part = n_low + (part_hi - f_hi)
+    j = torch.arange(max(2, int(n_part.max()) if n_part.numel() else 2))
+    parts = torch.where(j[None, :] < n_low[:, None], part_lo[:, None] + j[None, :],
+                        f_hi[:, None] + (j[None, :] - n_low[:, None]))
+    jf = torch.arange(max(2, int(n_full.max()) if n_full.numel() else 2))
+    fulls = f_lo[:, None] + jf[None, :]
+    nk = max(1, -(-int(seq_lens.sum()) // KV_BLOCK))
+    parts = torch.where(j[None, :] < n_part[:, None], parts, 0).clamp(0, nk - 1)
+    fulls = torch.where(jf[None, :] < n_full[:, None], fulls, 0).clamp(0, nk - 1)
+    if parts.shape[0] < 2:  # a second, empty query block: no size of 1 (see _at_least_2)
+        n_part, n_full = _at_least_2(n_part), _at_least_2(n_full)
+        parts, fulls = _at_least_2(parts), _at_least_2(fulls)
+    i32 = torch.int32
+    return n_part.to(i32), parts.to(i32), n_full.to(i32), fulls.to(i32)
+
+
+def _at_least_2(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with zero rows appended up to 2. Dynamo compiles a size of 1 as a constant
+    (its 0/1 specialisation), so every size that varies from step to step is kept >= 2:
+    one compiled kernel then serves every step."""
+    if t.shape[0] >= 2:
+        return t
+    pad = torch.zeros((2 - t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad])
+
+
+def _run_gather(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, num_tokens: int, *,
+                scale: float, causal: bool, sliding_window: int | None,
+                score_mod: ScoreMod | None, tree_mask: torch.Tensor | None, compiled: bool,
+                kernel_options: dict[str, Any] | None) -> torch.Tensor:
+    """``[1, Hq, >= T, Dv]`` over packed K/V (rows past ``T``: padding)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    dev = query.device
+    starts = batch.query_start_loc_cpu.to(torch.int64)
+    q_lens = starts[1:] - starts[:-1]
+    seq_lens = batch.seq_lens_cpu.to(torch.int64)
+    ctx = seq_lens - q_lens
+    k, v, key_start = gather_tokens(kv, batch, query.dtype)
+    k, v = _at_least_2(k), _at_least_2(v)
+    q_req = torch.repeat_interleave(torch.arange(batch.num_reqs), q_lens)
+    q_pos = torch.arange(num_tokens) - torch.repeat_interleave(starts[:-1] - ctx, q_lens)
+    tree = None if tree_mask is None else (tree_mask[:num_tokens] != 0)
+    q_rows = query[:num_tokens]
+    if num_tokens < 2:  # a padding query that sees nothing (position -1)
+        q_req, q_pos = _at_least_2(q_req), torch.cat([q_pos, torch.tensor([-1])])
+        q_rows = _at_least_2(q_rows)
+        tree = None if tree is None else _at_least_2(tree)
+    lens_dev = _at_least_2(batch.seq_lens.to(torch.int64))
+    mask_mod = _gather_mask(q_req.to(dev), q_pos.to(dev), key_start, lens_dev,
+                            _at_least_2(ctx).to(dev), tree, causal=causal,
+                            window=sliding_window)
+    n_part, parts, n_full, fulls = (t.to(dev) for t in _gather_block_lists(
+        q_lens, seq_lens, causal=causal, window=sliding_window, tree=tree is not None))
+    block_mask = BlockMask.from_kv_blocks(
+        n_part[None, None], parts[None, None], n_full[None, None], fulls[None, None],
+        BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod,
+        seq_lengths=(q_rows.shape[0], k.shape[0]), compute_q_blocks=False)
+    q4 = q_rows.transpose(0, 1).unsqueeze(0)
+    out, _ = _call_flex(q4, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                        block_mask=block_mask, score_mod=score_mod, scale=scale,
+                        compiled=compiled, lse=False, kernel_options=kernel_options)
+    return out
+
+
+# -- page_table mode -----------------------------------------------------------------------
+
+def _bucket(n: int) -> int:
+    """``n`` rounded up to a power of two: the compiled kernel sees few batch sizes."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _page_mask(p2l: torch.Tensor, q_ctx: torch.Tensor, whole: torch.Tensor, *, block_size: int,
+               causal: bool, window: int | None) -> MaskMod:
+    """Exact visibility of physical slot ``kv_idx`` for batch entry ``b``'s query ``q_idx``:
+    a page of the request (``p2l``), before its partly written last page (``whole``
+    positions), causal / window."""
+    bs = block_size
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                 kv_idx: torch.Tensor) -> torch.Tensor:
+        page = p2l[b, kv_idx // bs]
+        pos = page * bs + kv_idx % bs
+        qp = q_ctx[b] + q_idx
+        visible = (page >= 0) & (pos < whole[b])
+        if causal:
+            visible = visible & (pos <= qp)
+        if window is not None:
+            visible = visible & (qp - pos < window)
+        return visible
+
+    return mask_mod
+
+
+@dataclass(frozen=True)
+class _PageTables:
+    """A batch's block mask inputs in page_table mode (shared by a step's layers)."""
+
+    rows: int
+    """Batch entries (a power of two >= num_reqs, and >= 2)."""
+    q_len: int
+    p2l: torch.Tensor
+    """``[rows, nb]`` int32: logical page of each physical block in each request, or -1."""
+    q_ctx: torch.Tensor
+    whole: torch.Tensor
+    """``[rows]`` int64: positions in the request's whole (fully written) pages."""
+    n_part: torch.Tensor
+    parts: torch.Tensor
+    n_full: torch.Tensor
+    fulls: torch.Tensor
+    tail_block: torch.Tensor
+    """``[rows]`` int64: physical block of the partly written last page (0 when none)."""
+    tail_len: torch.Tensor
+    """``[rows]`` int64: written rows of that page (0: no tail)."""
+    has_tail: bool
+
+
+def _page_tables(batch: PagedBatchLike, num_blocks: int, block_size: int, *, causal: bool,
+                 window: int | None) -> _PageTables:
+    bs = block_size
+    dev = batch.block_table.device
+    starts = batch.query_start_loc_cpu.to(torch.int64)
+    q_lens = starts[1:] - starts[:-1]
+    seq = batch.seq_lens_cpu.to(torch.int64)
+    r = batch.num_reqs
+    rows = max(2, _bucket(r))  # never 1: see _at_least_2
+    lq = max(1, int(q_lens.max()) if r else 1)
+    pad = rows - r
+    seq = torch.cat([seq, torch.zeros(pad, dtype=torch.int64)])
+    q_lens = torch.cat([q_lens, torch.zeros(pad, dtype=torch.int64)])
+    ctx = seq - q_lens
+    whole_pages = seq // bs
+    # per (entry, query block): logical pages seen, split into partial and full
+    nq = -(-lq // Q_BLOCK)
+    qb = torch.arange(nq)
+    p0 = ctx[:, None] + qb[None, :] * Q_BLOCK                                   # [rows, nq]
+    p1 = ctx[:, None] + torch.minimum(q_lens[:, None], (qb[None, :] + 1) * Q_BLOCK) - 1
+    live = p1 >= p0
+    lo = torch.zeros_like(p0)
+    if window is not None:
+        lo = torch.clamp(p0 - window + 1, min=0) // bs
+    hi = (p1 // bs + 1) if causal else whole_pages[:, None].expand_as(p0)
+    hi = torch.minimum(hi, whole_pages[:, None])
+    hi = torch.where(live, torch.maximum(hi, lo), lo)
+    f_lo = lo if window is None else -(-torch.clamp(p1 - window + 1, min=0) // bs)
+    f_hi = (p0 + 1) // bs if causal else hi
+    f_lo = torch.clamp(torch.maximum(f_lo, lo), max=hi)
+    f_hi = torch.clamp(torch.minimum(f_hi, hi), min=f_lo)
+    n_low = f_lo - lo
+    n_part = n_low + (hi - f_hi)
+    n_full = f_hi - f_lo
+    w = max(2, int(n_part.max()))
+    wf = max(2, int(n_full.max()))
+    j = torch.arange(w)
+    logical = torch.where(j < n_low[..., None], lo[..., None] + j, f_hi[..., None] + j - n_low[..., None])
+    logical = torch.where(j < n_part[..., None], logical, 0)
+    jf = torch.arange(wf)
+    logical_full = torch.where(jf < n_full[..., None], f_lo[..., None] + jf, 0)
+    table = batch.block_table
+    width = max(1, table.shape[1])
+    padded = torch.zeros(rows, width, dtype=table.dtype, device=dev)
+    padded[:r] = table[:r]
+    b_idx = torch.arange(rows, device=dev)[:, None, None]
+    parts = padded[b_idx, logical.clamp(max=width - 1).to(dev)]
+    fulls = padded[b_idx, logical_full.clamp(max=width - 1).to(dev)]
+    # physical -> logical page, over the whole pages only (the tail is attended apart)
+    used = torch.arange(width, device=dev)[None, :] < whole_pages.to(dev)[:, None]
+    target = torch.where(used, padded.to(torch.int64), num_blocks)
+    p2l = torch.full((rows, num_blocks + 1), -1, dtype=torch.int32, device=dev)
+    p2l.scatter_(1, target, torch.arange(width, dtype=torch.int32, device=dev).expand(rows, width))
+    tail_len = seq - whole_pages * bs
+    tail_page = torch.where(tail_len > 0, whole_pages, 0).clamp(max=width - 1)
+    tail_block = padded[torch.arange(rows, device=dev), tail_page.to(dev)].to(torch.int64)
+    i32 = torch.int32
+    return _PageTables(
+        rows=rows, q_len=lq, p2l=p2l[:, :num_blocks], q_ctx=ctx.to(dev),
+        whole=(whole_pages * bs).to(dev), n_part=n_part.to(i32).to(dev),
+        parts=parts.to(i32), n_full=n_full.to(i32).to(dev), fulls=fulls.to(i32),
+        tail_block=tail_block, tail_len=tail_len.to(dev), has_tail=bool((tail_len > 0).any()),
+    )
+
+
+_CACHE: dict[str, Any] = {}
+
+
+def _cached_page_tables(batch: PagedBatchLike, num_blocks: int, block_size: int, *,
+                        causal: bool, window: int | None) -> _PageTables:
+    """:func:`_page_tables`, built once per batch object and layer options (a step's
+    layers share its metadata)."""
+    key = (num_blocks, block_size, causal, window)
+    ref = _CACHE.get("batch")
+    if ref is not None and ref() is batch and _CACHE.get("key") == key:
+        tables: _PageTables = _CACHE["tables"]
+        return tables
+    tables = _page_tables(batch, num_blocks, block_size, causal=causal, window=window)
+    try:
+        _CACHE.update(batch=weakref.ref(batch), key=key, tables=tables)
+    except TypeError:  # a batch object that cannot be weakly referenced: no reuse
+        _CACHE.clear()
+    return tables
+
+
+def _padded_queries(query: torch.Tensor, batch: PagedBatchLike, rows: int, q_len: int
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[rows, Hq, q_len, D]`` and the flat row of each real query in it (None when
+    the query is a view: every request has ``q_len`` queries and none is padding)."""
+    n = int(batch.query_start_loc_cpu[-1])
+    hq, d = query.shape[1], query.shape[2]
+    if rows == batch.num_reqs and n == rows * q_len:
+        return query[:n].reshape(rows, q_len, hq, d).transpose(1, 2), None
+    starts = batch.query_start_loc_cpu.to(torch.int64)
+    q_lens = starts[1:] - starts[:-1]
+    req = torch.repeat_interleave(torch.arange(batch.num_reqs), q_lens)
+    slot = req * q_len + torch.arange(n) - starts[:-1][req]
+    flat = torch.zeros(rows * q_len, hq, d, dtype=query.dtype, device=query.device)
+    idx = slot.to(query.device)
+    flat.index_copy_(0, idx, query[:n])
+    return flat.view(rows, q_len, hq, d).transpose(1, 2), idx
+
+
+def _tail_attention(q: torch.Tensor, kv: PagedKV, t: _PageTables, *, scale: float,
+                    causal: bool, window: int | None, cap: float | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` ``[B, Hq, Lq, D]`` to each entry's written rows of its last,
+    partly written page, in float32: ``([B, Hq, Lq, Dv], lse [B, Hq, Lq])``."""
+    bs, h = kv.block_size, kv.num_kv_heads
+    b, hq, lq, d = q.shape
+    g = hq // h
+    keys = kv.key.data.index_select(0, t.tail_block)     # [B, bs, H, D]
+    vals = kv.value.data.index_select(0, t.tail_block)
+    offs = torch.arange(bs, device=q.device)
+    written = offs[None, :] < t.tail_len[:, None]         # [B, bs]
+    keys = torch.where(written[..., None, None], keys, 0).float()
+    vals = torch.where(written[..., None, None], vals, 0).float()
+    qg = q.float().reshape(b, h, g, lq, d)
+    s = torch.einsum("bhgqd,bthd->bhgqt", qg, keys) * scale
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
+    pos = t.whole[:, None] + offs[None, :]                                  # [B, bs]
+    qp = t.q_ctx[:, None] + torch.arange(lq, device=q.device)[None, :]     # [B, Lq]
+    visible = written[:, None, :].expand(b, lq, bs)
+    if causal:
+        visible = visible & (pos[:, None, :] <= qp[:, :, None])
+    if window is not None:
+        visible = visible & (qp[:, :, None] - pos[:, None, :] < window)
+    s = s.masked_fill(~visible[:, None, None], -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    out = torch.einsum("bhgqt,bthd->bhgqd", p, vals)
+    return out.reshape(b, hq, lq, -1), lse.reshape(b, hq, lq)
+
+
+def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+           lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets from each one's output and log-sum-exp."""
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    wa = torch.exp(lse_a - m)[..., None]
+    wb = torch.exp(lse_b - m)[..., None]
+    total = wa + wb
+    merged = (out_a.float() * wa + out_b * wb) / torch.where(total > 0, total, 1.0)
+    return merged
+
+
+def _run_page_table(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, *,
+                    scale: float, causal: bool, sliding_window: int | None,
+                    logits_soft_cap: float | None, kernel_options: dict[str, Any] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``([rows, Hq, q_len, Dv], flat query rows or None)`` over the cache in place."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    bs = kv.block_size
+    t = _cached_page_tables(batch, kv.num_blocks, bs, causal=causal, window=sliding_window)
+    q4, idx = _padded_queries(query, batch, t.rows, t.q_len)
+    k4 = kv.key.data.flatten(0, 1).transpose(0, 1).unsqueeze(0)     # [1, H, nb*bs, D], a view
+    v4 = kv.value.data.flatten(0, 1).transpose(0, 1).unsqueeze(0)
+    mask_mod = _page_mask(t.p2l, t.q_ctx, t.whole, block_size=bs, causal=causal,
+                          window=sliding_window)
+    block_mask = BlockMask.from_kv_blocks(
+        t.n_part[:, None], t.parts[:, None], t.n_full[:, None], t.fulls[:, None],
+        BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod, seq_lengths=(t.q_len, k4.shape[2]),
+        compute_q_blocks=False)
+    options = dict(kernel_options or {})
+    if bs < 64:  # a kernel key tile must divide the mask's (one page)
+        options.setdefault("BLOCK_N", bs)
+    out, lse = _call_flex(q4, k4, v4, block_mask=block_mask,
+                          score_mod=_soft_cap_mod(logits_soft_cap), scale=scale,
+                          compiled=True, lse=t.has_tail, kernel_options=options)
+    if t.has_tail and lse is not None:
+        tail, tail_lse = _tail_attention(q4, kv, t, scale=scale, causal=causal,
+                                         window=sliding_window, cap=logits_soft_cap)
+        out = _merge(out, lse, tail, tail_lse)
+    return out, idx
+
+
+# -- entry point --------------------------------------------------------------------------
 
 def flex_paged_attention(
     query: torch.Tensor,
@@ -137,120 +634,82 @@ def flex_paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     tree_mask: torch.Tensor | None = None,
-    mode: FlexMode = "gather",
+    mode: FlexMode = "auto",
     compiled: bool | None = None,
+    kernel_options: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Paged attention through ``flex_attention``; arguments as
     :func:`~vllm.attention.ops.paged_attention.paged_attention_torch`.
 
-    ``mode``: see the module docstring. ``compiled``: None compiles on CUDA only.
-    Returns ``output`` (``[num_tokens, num_heads, head_size_v]``, rows past
-    ``query_start_loc[-1]`` untouched).
+    ``mode``: see the module docstring (:func:`choose_mode`). ``compiled``: None
+    compiles on CUDA only. ``kernel_options``: passed to the compiled kernel (tile
+    sizes, warps, stages). Returns ``output`` (``[num_tokens, num_heads, head_size_v]``,
+    rows past ``query_start_loc[-1]`` untouched); :data:`last_run` says what ran.
     """
+    global last_run
     num_tokens = check_paged_args(query, kv, batch, output, sliding_window=sliding_window,
                                   logits_soft_cap=logits_soft_cap, tree_mask=tree_mask)
-    if num_tokens == 0:
-        return output
     use_compile = kv.device.type == "cuda" if compiled is None else compiled
-    dev = query.device
+    chosen = choose_mode(kv, batch, query.dtype, compiled=use_compile,
+                         tree=tree_mask is not None, mode=mode)
+    if num_tokens == 0:
+        last_run = FlexRun(chosen, use_compile)
+        return output
     starts = batch.query_start_loc_cpu.to(torch.int64)
-    seq_lens = batch.seq_lens_cpu.to(torch.int64)
-    q_lens = starts[1:] - starts[:-1]
-    ctx_lens = seq_lens - q_lens
-    if (causal or tree_mask is not None) and bool((ctx_lens < 0).any()):
-        raise InvalidArgumentError("seq_lens", batch.seq_lens_cpu.tolist(),
-                                   "each >= its request's query length")
-    req_ids = torch.arange(batch.num_reqs)
-    q_req = torch.repeat_interleave(req_ids, q_lens).to(dev)
-    q_pos = (torch.arange(num_tokens) - torch.repeat_interleave(starts[:-1] - ctx_lens, q_lens)).to(dev)
-    q_ctx = ctx_lens.to(dev)[q_req]
-
-    if mode == "gather":
-        k, v, kv_req, kv_pos = _gather(query.dtype, kv, batch, seq_lens)
-        key_req, key_pos = kv_req.to(dev), kv_pos.to(dev)
-
-        def locate(kv_idx: torch.Tensor, q_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return key_req[kv_idx] == q_req[q_idx], key_pos[kv_idx]
-    else:
-        reason = page_table_supported(kv, query.dtype)
-        if reason is not None:
-            raise InvalidArgumentError("mode", mode, f"'gather' here: {reason}")
-        # [nb, bs, H, D] -> [nb*bs, H, D]: a view for these layouts (block stride = bs * token stride)
-        k = kv.key.data.flatten(0, 1)
-        v = kv.value.data.flatten(0, 1)
-        bs = kv.block_size
-        p2l = _physical_to_logical(batch, kv.num_blocks, bs, seq_lens).to(dev)
-        lens_dev = seq_lens.to(dev)
-
-        def locate(kv_idx: torch.Tensor, q_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            r = q_req[q_idx]
-            logical = p2l[r, kv_idx // bs]
-            pos = logical * bs + kv_idx % bs
-            return (logical >= 0) & (pos < lens_dev[r]), pos
-
-    tree = None if tree_mask is None else (tree_mask[:num_tokens] != 0)
-    width = 0 if tree is None else tree.shape[1]
-
-    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
-                 kv_idx: torch.Tensor) -> torch.Tensor:
-        same, pos = locate(kv_idx, q_idx)
-        qp = q_pos[q_idx]
-        visible = same
-        if tree is not None:
-            j = (pos - q_ctx[q_idx]).clamp(0, width - 1)
-            visible = visible & ((pos < q_ctx[q_idx]) | tree[q_idx, j])
-        elif causal:
-            visible = visible & (pos <= qp)
-        if sliding_window is not None:
-            visible = visible & (qp - pos < sliding_window)
-        return visible
-
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    block_mask = create_block_mask(mask_mod, None, None, num_tokens, k.shape[0], device=dev,
-                                   BLOCK_SIZE=128 if mode == "gather" else (128, kv.block_size))
-    q4 = query[:num_tokens].transpose(0, 1).unsqueeze(0)
-    k4 = k.transpose(0, 1).unsqueeze(0)
-    v4 = v.transpose(0, 1).unsqueeze(0)
-    out = _flex(q4, k4, v4, block_mask=block_mask, score_mod=_score_mod(logits_soft_cap),
-                scale=scale, compiled=use_compile)
-    output[:num_tokens] = out[0].transpose(0, 1).to(output.dtype)
+    if causal or tree_mask is not None:
+        short = (batch.seq_lens_cpu.to(torch.int64) < starts[1:] - starts[:-1]).nonzero()
+        if short.numel():
+            i = int(short[0])
+            raise InvalidArgumentError(f"seq_lens[{i}]", int(batch.seq_lens_cpu[i]),
+                                       f">= its query length {int(starts[i + 1] - starts[i])}")
+    reason: str | None = None
+    if chosen == "page_table":
+        if not use_compile:
+            raise InvalidArgumentError("compiled", compiled,
+                                       "True (or None on CUDA) for mode='page_table': eager "
+                                       "flex_attention scores every slot of the cache")
+        try:
+            out4, idx = _run_page_table(query, kv, batch, scale=scale, causal=causal,
+                                        sliding_window=sliding_window,
+                                        logits_soft_cap=logits_soft_cap,
+                                        kernel_options=kernel_options)
+        except Exception as exc:
+            if not _is_compile_failure(exc):
+                raise
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        else:
+            rows = out4.transpose(1, 2).reshape(-1, out4.shape[1], out4.shape[3])
+            src = rows[:num_tokens] if idx is None else rows.index_select(0, idx)
+            output[:num_tokens] = src.to(output.dtype)
+            last_run = FlexRun("page_table", True)
+            return output
+    score_mod = _soft_cap_mod(logits_soft_cap)
+    run_compiled = use_compile and reason is None
+    args = dict(scale=scale, causal=causal, sliding_window=sliding_window,
+                score_mod=score_mod, tree_mask=tree_mask, kernel_options=kernel_options)
+    if run_compiled:
+        try:
+            out = _run_gather(query, kv, batch, num_tokens, compiled=True, **args)  # type: ignore[arg-type]
+        except Exception as exc:
+            if not _is_compile_failure(exc):
+                raise
+            # Inductor cannot lower every shape (seen on an H200: GQA 8 and a non-causal
+            # batch, "NoValidChoicesError"); eager flex_attention computes the same function.
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            run_compiled = False
+    if not run_compiled:
+        out = _run_gather(query, kv, batch, num_tokens, compiled=False, **args)  # type: ignore[arg-type]
+    output[:num_tokens] = out[0, :, :num_tokens].transpose(0, 1).to(output.dtype)
+    last_run = FlexRun("gather", run_compiled, reason)
     return output
 
 
-def _gather(dtype: torch.dtype, kv: PagedKV, batch: PagedBatchLike, seq_lens: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every request's K ``[S, H, D]`` and V ``[S, H, Dv]`` (``S = sum(seq_lens)``),
-    dequantised to ``dtype``, with each key's request id and position (int64 ``[S]``)."""
-    ks: list[torch.Tensor] = []
-    vs: list[torch.Tensor] = []
-    for i, length in enumerate(seq_lens.tolist()):
-        k_i, v_i = read_request(kv, batch.block_table[i], int(length), dtype)
-        ks.append(k_i)
-        vs.append(v_i)
-    k = torch.cat(ks)
-    v = torch.cat(vs)
-    kv_req = torch.repeat_interleave(torch.arange(len(ks)), seq_lens)
-    kv_pos = torch.arange(int(seq_lens.sum())) - torch.repeat_interleave(
-        torch.cumsum(seq_lens, 0) - seq_lens, seq_lens)
-    return k, v, kv_req, kv_pos
-
-
-def _physical_to_logical(batch: PagedBatchLike, num_blocks: int, block_size: int,
-                         seq_lens: torch.Tensor) -> torch.Tensor:
-    """``[num_reqs, num_blocks]`` int64: logical block index of each physical block in
-    each request, -1 where the request does not use it (prefix-shared blocks appear
-    in several rows)."""
-    table = batch.block_table.to("cpu", torch.int64)
-    out = torch.full((batch.num_reqs, num_blocks), -1, dtype=torch.int64)
-    for i, length in enumerate(seq_lens.tolist()):
-        used = table[i, : -(-int(length) // block_size)]
-        out[i, used] = torch.arange(used.shape[0])
-    return out
-
-
-def compiled_note(device: torch.device) -> str:
-    """What runs flex_attention on ``device``, for ``compute_path_notes``."""
-    if device.type != "cuda":
-        return f"flex_attention: device={device.type} runs it eagerly (unfused)"
-    return "flex_attention: torch.compile(flex_attention); calls inductor cannot lower run it eagerly"
+__all__ = [
+    "FlexMode",
+    "FlexRun",
+    "choose_mode",
+    "compiled_note",
+    "flex_paged_attention",
+    "gather_tokens",
+    "page_table_supported",
+]
