@@ -265,8 +265,13 @@ def _cache_dtypes(cls: type, layout: KVCacheLayout) -> dict[KVCacheDType, str]:
 
 
 def _attention_types(cls: type) -> frozenset[AttentionType]:
+    """What ``supports_attn_type`` admits, less ``ENCODER``: upstream's encoder attention
+    reads this step's K/V and has no cache (``ENCODER_ONLY`` here), while this package's
+    ``ENCODER`` attends over the paged cache, which no upstream impl writes for it."""
     if callable(getattr(cls, "supports_attn_type", None)):
-        return frozenset(t for t in AttentionType if cls.supports_attn_type(t))  # type: ignore[attr-defined]
+        admits: Callable[[AttentionType], bool] = cls.supports_attn_type  # type: ignore[attr-defined]
+        return frozenset(t for t in AttentionType
+                         if t is not AttentionType.ENCODER and admits(t))
     return frozenset({AttentionType.DECODER})
 
 
@@ -445,8 +450,15 @@ class AdaptedImplBase(AttentionImpl[LegacyMetadataBox]):
             process = getattr(self.legacy, "process_weights_after_loading", None)
             if callable(process):
                 process(query.dtype)
-        slots = get_forward_context().slot_mapping_for(layer.layer_name)
-        legacy_meta = attn_metadata.with_slot_mapping(slots)
+        ctx = get_forward_context()
+        writes = (self.spec.kv_sharing_target_layer_name is None
+                  and self.spec.attn_type is not AttentionType.ENCODER_ONLY)
+        if not writes and layer.layer_name not in ctx.slot_mapping:
+            # a layer that writes nothing (KV sharing, encoder-only) needs no slot mapping;
+            # the legacy metadata keeps the builder's -1 pad slots
+            legacy_meta = attn_metadata.legacy
+        else:
+            legacy_meta = attn_metadata.with_slot_mapping(ctx.slot_mapping_for(layer.layer_name))
         try:
             if self.legacy_backend.accept_output_buffer:
                 result = self.legacy.forward(view, query, key, value, kv_cache, legacy_meta,
@@ -460,7 +472,7 @@ class AdaptedImplBase(AttentionImpl[LegacyMetadataBox]):
                 f"legacy backend {self.legacy_backend.name!r} raised in forward(): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        if result is not output:
+        if result is not output and not _into_buffer(result, output):
             self._copy_result(result, output)
         return output
 
@@ -472,6 +484,13 @@ class AdaptedImplBase(AttentionImpl[LegacyMetadataBox]):
                 f"legacy backend {self.legacy_backend.name!r}: forward() returned {got}, "
                 f"expected {output.numel()} values ({tuple(output.shape)}, or flattened)")
         output.copy_(result.reshape(output.shape))
+
+
+def _into_buffer(result: object, output: torch.Tensor) -> bool:
+    """A result that is a view of ``output`` (upstream's impls may return
+    ``output[:num_actual_tokens]``): upstream's layer reads the buffer, not the result."""
+    return (isinstance(result, torch.Tensor)
+            and result.untyped_storage().data_ptr() == output.untyped_storage().data_ptr())
 
 
 class FlaggedImplBase(AdaptedImplBase):

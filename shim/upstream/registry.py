@@ -3,7 +3,8 @@ registering into this package's registry (:mod:`vllm.attention.registry`).
 
 ``@register_backend(AttentionBackendEnum.CUSTOM)`` registers the class as ``CUSTOM``;
 naming another member overrides that backend, as upstream's decorator does. The class
-is adapted when registered and warns when first used, pointing at the decorator.
+is checked and adapted when first asked for and warns when first used, pointing at the
+decorator.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def register_backend(backend: AttentionBackendEnum, class_path: str | None = Non
     site = caller_location()
 
     def decorator(cls: T) -> T:
-        registry.register_backend(cls, name=backend.name, replace=True, registered_at=site)
+        # recorded now, checked when first asked for: the impl the class names is often
+        # defined below it, so it does not exist yet (upstream's decorator is lazy too)
+        registry.register_deferred(cls, name=backend.name, registered_at=site)
         return cls
 
     return decorator

@@ -69,6 +69,9 @@ class BackendEntry:
     """``module:Class``."""
     cls: AnyBackend | None = None
     error: str | None = None
+    pending: type | None = None
+    """A class recorded by :func:`register_deferred`, checked when first asked for."""
+    registered_at: tuple[str, int] | None = None
 
 
 _lock = threading.RLock()
@@ -196,6 +199,20 @@ def register_target(name: str, target: str) -> None:
         _entries[name] = BackendEntry(name, "registered", target)
 
 
+def register_deferred(cls: type, *, name: str,
+                      registered_at: tuple[str, int] | None) -> None:
+    """Record ``cls`` under ``name`` and check (and adapt) it when first asked for, as
+    upstream's ``@register_backend`` decorator does: the class it decorates names an impl
+    and a builder that its module often defines further down. Replaces an entry of that
+    name."""
+    if not name:
+        raise InvalidArgumentError("name", name, "a non-empty backend name")
+    _init()
+    with _lock:
+        _entries[name] = BackendEntry(name, "registered", f"{cls.__module__}:{cls.__qualname__}",
+                                      pending=cls, registered_at=registered_at)
+
+
 def unregister_backend(name: str) -> None:
     with _lock:
         _entries.pop(name, None)
@@ -207,7 +224,10 @@ def _load(entry: BackendEntry) -> AnyBackend:
     if entry.error is not None:
         raise PluginLoadError(entry.error)
     try:
-        cls = _as_backend(import_target(entry.target), origin=entry.target)
+        deferred = entry.pending is not None
+        obj = entry.pending if deferred else import_target(entry.target)
+        cls = _as_backend(obj, origin=entry.target, name=entry.name if deferred else None,
+                          registered_at=entry.registered_at)
     except (PluginLoadError, BackendRegistrationError) as exc:
         msg = f"backend {entry.name!r} ({entry.source}, {entry.target}) failed to load: {exc}"
         with _lock:
