@@ -1,0 +1,226 @@
+"""Sweep the Triton paged kernel's prefill tiles (and, with ``--flex``, a few
+FlexAttention kernel options) on the prefill targets, against torch's flash kernel
+measured in the same run.
+
+Shapes as ``bench_prefill.py`` (8 x 2048 fresh, 8 x (2048 + 2048) chunked, 32/8 heads,
+D=128, bf16, page 16; ``--block-size`` changes the page). Each variant runs
+``paged_attention_triton(..., config=TritonLaunchConfig(...))`` on a split-NHD cache,
+is checked against the flash kernel's output (relative error <= 2e-2, bf16) and timed
+by CUDA events (median of 3 rounds of ``--iters`` calls). Variants: ``block_m`` x
+``block_n`` x ``num_warps`` x ``num_stages``, masks split at the edges (prefill's
+default), and query tiles in launch order or last-first. The sweep stops starting new
+variants after ``--budget`` seconds (default 150: the whole run stays under 3 minutes
+on an H200, compiles included) and reports what it measured, best first, with the
+launch ``choose_config`` picks today marked ``default``.
+
+    python benchmarks/tune_prefill.py --out DIR          # DIR/tune_prefill.json + .txt
+    python benchmarks/tune_prefill.py --flex --out DIR   # plus flex kernel options
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import device_info, event_us, print_table, write_json  # noqa: E402
+from bench_prefill import Shape, baselines  # noqa: E402
+
+from vllm.attention import KVQuant  # noqa: E402
+from vllm.attention.layouts import kv_cache_shape  # noqa: E402
+from vllm.attention.ops.paged_kv import PagedKV  # noqa: E402
+from vllm.attention.types import KVCacheLayout  # noqa: E402
+from vllm.attention.writers import reference_write  # noqa: E402
+
+L = KVCacheLayout
+TILES = [(128, 64), (128, 128), (64, 64), (128, 32), (64, 128)]
+WARPS = (8, 4)
+STAGES = (3, 2, 4)
+
+
+def _cache(shape: Shape, args: argparse.Namespace, layout: KVCacheLayout) -> PagedKV:
+    """``shape``'s keys (context + new) written into a cache of ``layout``."""
+    batch, bs = shape.batch, args.block_size
+    dev = shape.q.device
+    cache = torch.zeros(kv_cache_shape(layout, batch.num_blocks, bs, args.kv_heads,
+                                       args.head_size), dtype=shape.q.dtype, device=dev)
+    quant = KVQuant.unscaled()
+    slots, at_c, at_n = [], 0, 0
+    ctx_slots, new_slots = batch.context_slots.tolist(), batch.new_slots.tolist()
+    for ci, ni in zip(shape.ctx, shape.new):
+        slots += ctx_slots[at_c:at_c + ci] + new_slots[at_n:at_n + ni]
+        at_c, at_n = at_c + ci, at_n + ni
+    reference_write(layout, shape.k_all, shape.v_all, cache,
+                    torch.tensor(slots, dtype=torch.int64, device=dev), quant)
+    return PagedKV.from_cache(cache, layout, quant, block_size=bs, num_kv_heads=args.kv_heads,
+                              head_size=args.head_size)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def sweep_triton(shapes: list[Shape], args: argparse.Namespace, device: torch.device,
+                 deadline: float) -> list[dict[str, Any]]:
+    from vllm.attention.ops.triton_paged_attention import (
+        TritonLaunchConfig,
+        choose_config,
+        paged_attention_triton,
+    )
+
+    rows: list[dict[str, Any]] = []
+    prepared = []
+    for shape in shapes:
+        name, fn = baselines(shape, args, device)[0] if shape.name.startswith("fresh") else \
+            baselines(shape, args, device)[-1]
+        ref = fn()
+        base_us = event_us(fn, iters=args.iters, warmup=2, rounds=3, device=device)
+        kv = _cache(shape, args, L.SPLIT_NHD)
+        meta = shape.batch.common
+        default = choose_config(kv, num_heads=args.heads, num_reqs=meta.num_reqs,
+                                max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+                                query_dtype=shape.q.dtype)
+        prepared.append((shape, kv, ref, base_us, default))
+        rows.append(dict(shape=shape.name, variant=name, time_us=base_us,
+                         tflops=shape.flops / base_us / 1e6, ratio=1.0))
+    variants = [TritonLaunchConfig(block_m=m, block_n=n, num_splits=1, num_warps=w,
+                                   num_stages=s, split_masks=True, reverse_tiles=True)
+                for (m, n), w, s in itertools.product(TILES, WARPS, STAGES)]
+    defaults = [p[4] for p in prepared]
+    variants = defaults + [v for v in variants if v not in defaults]
+    variants += [TritonLaunchConfig(**{**vars(d), "reverse_tiles": False}) for d in defaults]
+    variants += [TritonLaunchConfig(**{**vars(d), "split_masks": False}) for d in defaults]
+    for cfg in dict.fromkeys(variants):  # once each, in order
+        if time.monotonic() > deadline:
+            rows.append(dict(shape="-", variant="(budget spent: remaining variants skipped)"))
+            break
+        label = (f"triton m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+                 f"{'' if cfg.split_masks else ' masked'}{'' if cfg.reverse_tiles else ' inorder'}")
+        for shape, kv, ref, base_us, default in prepared:
+            out = torch.empty_like(shape.q)
+
+            def run(kv: PagedKV = kv, out: torch.Tensor = out, shape: Shape = shape,
+                    cfg: Any = cfg) -> Any:
+                return paged_attention_triton(shape.q, kv, shape.batch.common,
+                                              scale=args.head_size ** -0.5, output=out,
+                                              causal=True, config=cfg)
+
+            try:
+                run()
+                err = _rel(out, ref)
+                t = event_us(run, iters=args.iters, warmup=2, rounds=3, device=device)
+            except Exception as exc:  # a tile that does not fit: report, keep going
+                rows.append(dict(shape=shape.name, variant=label,
+                                 note=f"{type(exc).__name__}: {str(exc)[:100]}"))
+                continue
+            rows.append(dict(shape=shape.name, variant=label, time_us=t,
+                             tflops=shape.flops / t / 1e6, ratio=base_us / t, rel_err=err,
+                             default=cfg == default,
+                             note="" if err <= 2e-2 else "WRONG: error above 2e-2"))
+    return rows
+
+
+FLEX_OPTIONS: list[dict[str, Any]] = [
+    {},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+]
+
+
+def sweep_flex(shapes: list[Shape], args: argparse.Namespace, device: torch.device,
+               deadline: float) -> list[dict[str, Any]]:
+    from vllm.attention.ops import flex_paged
+
+    rows: list[dict[str, Any]] = []
+    for shape in shapes:
+        name, fn = baselines(shape, args, device)[0] if shape.name.startswith("fresh") else \
+            baselines(shape, args, device)[-1]
+        ref = fn()
+        base_us = event_us(fn, iters=args.iters, warmup=2, rounds=3, device=device)
+        kv = _cache(shape, args, L.SPLIT_BLOCK_INTERLEAVED)
+        for opts in FLEX_OPTIONS:
+            if time.monotonic() > deadline:
+                rows.append(dict(shape=shape.name, variant="(budget spent)"))
+                return rows
+            out = torch.empty_like(shape.q)
+
+            def run(opts: dict[str, Any] = opts, out: torch.Tensor = out) -> Any:
+                return flex_paged.flex_paged_attention(
+                    shape.q, kv, shape.batch.common, scale=args.head_size ** -0.5, output=out,
+                    kernel_options=opts or None)
+
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize(device)
+            first = time.perf_counter() - t0
+            run_info = flex_paged.last_run
+            t = event_us(run, iters=args.iters, warmup=2, rounds=3, device=device)
+            rows.append(dict(shape=shape.name, variant=f"flex {opts or 'inductor default'}",
+                             time_us=t, tflops=shape.flops / t / 1e6, ratio=base_us / t,
+                             rel_err=_rel(out, ref), note=f"{run_info}; first call {first:.0f} s"))
+    return rows
+
+
+COLUMNS = [("shape", "shape", ""), ("variant", "variant", ""), ("default", "default", ""),
+           ("time_us", "time us", ".1f"), ("tflops", "TFLOP/s", ".1f"), ("ratio", "vs flash", ".3f"),
+           ("rel_err", "rel err", ".1e"), ("note", "note", "")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=2048)
+    p.add_argument("--cached-tokens", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--budget", type=float, default=150.0, help="seconds before skipping variants")
+    p.add_argument("--flex", action="store_true", help="also time flex kernel options")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_prefill.py needs CUDA (it times compiled kernels); nothing to do here")
+        return 0
+    device = torch.device("cuda")
+    args.torch_dtype = torch.bfloat16
+    deadline = time.monotonic() + args.budget
+    g = torch.Generator().manual_seed(0)
+    r, n, c = args.requests, args.new_tokens, args.cached_tokens
+    shapes = [Shape(f"fresh {r}x{n}", [0] * r, [n] * r, args, device, g),
+              Shape(f"chunked {r}x({c}+{n})", [c] * r, [n] * r, args, device, g)]
+    rows = sweep_triton(shapes, args, device, deadline)
+    if args.flex:
+        rows += sweep_flex(shapes, args, device, deadline + 120)
+    ranked = sorted((row for row in rows if row.get("ratio") is not None and row["variant"].startswith("triton")),
+                    key=lambda row: (row["shape"], -row["ratio"]))
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print("all variants, in the order run:")
+        print_table(rows, COLUMNS)
+        print("\nTriton variants, best first per shape:")
+        print_table(ranked, COLUMNS)
+    print(text.getvalue(), end="")
+    if args.out is not None:
+        meta = device_info(device)
+        meta["args"] = {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v)
+                        for k, v in vars(args).items()}
+        write_json(args.out, "tune_prefill.json", {"meta": meta, "rows": rows})
+        (args.out / "tune_prefill.txt").write_text(text.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
