@@ -1,0 +1,189 @@
+"""The backend class: a subclass of ``AttentionBackend[Metadata]`` with its declarations
+as class data, classmethods naming its pieces, and the writer of its layout."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import libcst as cst
+
+from vllm.attention.types import AttentionType
+from vllm.migrate.analysis import ClassInfo, Pieces, class_body, is_docstring, single_return
+from vllm.migrate.declarations import CONSUMED, Declarations, size_spec_code, sorted_dtypes
+from vllm.migrate.literal import NOT_LITERAL, Evaluator
+from vllm.migrate.metadata import _set_base
+from vllm.migrate.plan import Plan, statements_from
+
+DEFAULT_HOOKS: Final = {
+    "is_mla": False, "is_sparse": False, "is_ssm": False, "supports_sink": False,
+    "supports_alibi_sqrt": False, "supports_mm_prefix": False,
+    "supports_per_head_quant_scales": False, "supports_non_causal": False,
+    "supports_batch_invariance": False, "supports_kv_connector": True,
+    "get_min_compute_capability": None, "get_max_compute_capability": None,
+    "supports_combination": None, "get_required_kv_cache_layout": None,
+}
+"""Legacy backend hooks and the value that means "nothing special" (deleted when the
+class answers that); any other answer is a manual step."""
+
+HOOK_ADVICE: Final = {
+    "get_min_compute_capability": "return the reason from device_unsupported_reasons()",
+    "get_max_compute_capability": "return the reason from device_unsupported_reasons()",
+    "supports_compute_capability": "return the reason from device_unsupported_reasons()",
+    "supports_combination": "return its reasons from unsupported_reasons()",
+    "validate_configuration": "return its reasons from unsupported_reasons()",
+    "get_required_kv_cache_layout": "declare the layout as kv_cache_layout",
+    "get_preferred_block_size": "declare block_sizes (the first admitted size is preferred)",
+}
+
+
+def _declaration_lines(d: Declarations) -> str:
+    lines = []
+    if d.name is not None:
+        lines.append(f'    name: ClassVar[str] = "{d.name}"\n')
+    lines.append(f"    kv_cache_layout: ClassVar[KVCacheLayout] = KVCacheLayout.{d.layout.name}\n")
+    if d.supported_dtypes is not None:
+        dtypes = ", ".join(f"torch.{n}" for n in sorted_dtypes(d.supported_dtypes))
+        lines.append("    supported_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(\n"
+                     f"        {{{dtypes}}}\n    )\n")
+    if d.supported_kv_cache_dtypes is not None:
+        caches = ", ".join(f'"{c}"' for c in d.supported_kv_cache_dtypes)
+        lines.append("    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = "
+                     f"frozenset({{{caches}}})\n")
+    if d.block_sizes is not None:
+        lines.append(f"    block_sizes: ClassVar[SizeSpec] = {size_spec_code(d.block_sizes)}\n")
+    if d.head_sizes is not None:
+        lines.append(f"    head_sizes: ClassVar[SizeSpec] = {size_spec_code(d.head_sizes)}\n")
+    if d.attention_types is not None and d.attention_types != (AttentionType.DECODER,):
+        types = ", ".join(f"AttentionType.{t.name}" for t in d.attention_types)
+        lines.append("    attention_types: ClassVar[frozenset[AttentionType]] = frozenset(\n"
+                     f"        {{{types}}}\n    )\n")
+    if d.supports_sliding_window is False:
+        lines.append("    supports_sliding_window: ClassVar[bool] = False\n")
+    if d.supports_logits_soft_cap is False:
+        lines.append("    supports_logits_soft_cap: ClassVar[bool] = False\n")
+    return "".join(lines)
+
+
+def _piece_methods(p: Pieces) -> str:
+    return (
+        "    @classmethod\n"
+        f"    def get_impl_cls(cls) -> type[{p.impl.name}]:\n"
+        f"        return {p.impl.name}\n\n"
+        "    @classmethod\n"
+        f"    def get_builder_cls(cls) -> type[{p.builder.name}]:\n"
+        f"        return {p.builder.name}\n\n"
+        "    @classmethod\n"
+        f"    def get_metadata_cls(cls) -> type[{p.metadata.name}]:\n"
+        f"        return {p.metadata.name}\n\n"
+        "    @classmethod\n"
+        '    def get_kv_cache_writer(cls, cache_dtype: KVCacheDType = "auto") -> KVCacheWriter:\n'
+        "        if cache_dtype not in cls.supported_kv_cache_dtypes:\n"
+        '            allowed = ", ".join(sorted(cls.supported_kv_cache_dtypes))\n'
+        "            raise InvalidArgumentError(\n"
+        '                "cache_dtype", cache_dtype, f"one of {allowed} for {cls.name}"\n'
+        "            )\n"
+        "        return writer_for_layout(cls.kv_cache_layout)\n"
+    )
+
+
+def _referenced_elsewhere(plan: Plan, cls: ClassInfo, attr: str) -> bool:
+    found = False
+    definition = cls.methods.get(attr) or cls.attr_lines.get(attr)
+
+    class Visitor(cst.CSTVisitor):
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            return node is not definition
+
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            nonlocal found
+            if node.attr.value == attr:
+                found = True
+
+    plan.info.module.visit(Visitor())
+    return found
+
+
+def rewrite_backend(plan: Plan, pieces: Pieces, decl: Declarations, layout_note: str | None
+                    ) -> None:
+    info = plan.info
+    cls = pieces.backend
+    meta = pieces.metadata.name
+    plan.need("typing", "ClassVar")
+    plan.need("torch")
+    plan.need("vllm.attention", "AttentionBackend", "KVCacheLayout", "KVCacheDType",
+              "KVCacheWriter", "InvalidArgumentError")
+    plan.need("vllm.attention.writers", "writer_for_layout")
+    if decl.block_sizes is not None or decl.head_sizes is not None:
+        plan.need("vllm.attention", "SizeSpec")
+    if decl.attention_types is not None and decl.attention_types != (AttentionType.DECODER,):
+        plan.need("vllm.attention", "AttentionType")
+    _set_base(plan, cls, f"AttentionBackend[{meta}]", legacy_base="AttentionBackend")
+
+    body = class_body(cls.node)
+    anchor = next((s for s in body if isinstance(s, cst.FunctionDef) and s.name.value in (
+        "get_impl_cls", "get_builder_cls", "get_metadata_cls")), None)
+    for stmt in body:
+        name = stmt.name.value if isinstance(stmt, cst.FunctionDef) else next(
+            (n for n, line in cls.attr_lines.items() if line is stmt), None)
+        if name is None:
+            continue
+        if name in decl.unresolved:
+            plan.mark(stmt, f"{name} is not literal, so {decl.unresolved[name]} was not "
+                      "derived from it", f"declare {decl.unresolved[name]} as class data and "
+                      f"delete {name}")
+            continue
+        if name in CONSUMED:
+            if name in ("get_impl_cls", "get_builder_cls", "get_metadata_cls") or \
+                    not _referenced_elsewhere(plan, cls, name):
+                if stmt is not anchor:
+                    plan.remove.add(stmt)
+            continue
+        if isinstance(stmt, cst.FunctionDef) and name in DEFAULT_HOOKS:
+            value = single_return(stmt)
+            answer = Evaluator(info, cls.attrs).expr(value, {}) if value is not None \
+                else NOT_LITERAL
+            if answer is not NOT_LITERAL and answer == DEFAULT_HOOKS[name]:
+                plan.remove.add(stmt)
+                continue
+        if name in HOOK_ADVICE or name in DEFAULT_HOOKS:
+            plan.mark(stmt, f"{name}() is a legacy hook the new API never calls",
+                      HOOK_ADVICE.get(name, f"express what {name}() says as a declaration "
+                                            "or delete it"))
+    declarations = _declaration_lines(decl)
+    if layout_note:
+        declarations = f"    # {layout_note}\n" + declarations
+    new_decl = statements_from(declarations)
+    new_methods = statements_from(_piece_methods(pieces))
+    if decl.name is None:
+        plan.mark(cls.node, "get_name() is not literal, so name was not derived from it",
+                  "declare name as class data")
+
+    def edit(updated: cst.ClassDef) -> cst.ClassDef:
+        block = updated.body
+        assert isinstance(block, cst.IndentedBlock)
+        stmts = list(block.body)
+        doc = stmts[:1] if stmts and is_docstring(stmts[0]) else []
+        rest = stmts[len(doc):]
+        at = next((i for i, s in enumerate(rest) if isinstance(s, cst.FunctionDef)
+                   and anchor is not None and s.name.value == anchor.name.value), None)
+        methods = [_blank_before(m) for m in new_methods]
+        if at is None:
+            rest = [*rest, *methods]
+        else:
+            anchor_now = rest[at]
+            assert isinstance(anchor_now, cst.FunctionDef)
+            comments = anchor_now.leading_lines
+            methods[0] = methods[0].with_changes(leading_lines=comments)
+            rest = [*rest[:at], *methods, *rest[at + 1:]]
+        if rest:
+            rest[0] = _blank_before(rest[0])
+        return updated.with_changes(body=block.with_changes(body=[*doc, *new_decl, *rest]))
+
+    plan.edit(cls.node, edit)
+
+
+def _blank_before(stmt: cst.BaseStatement) -> cst.BaseStatement:
+    if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) and not any(
+            line.comment is None for line in stmt.leading_lines[:1]):
+        return stmt.with_changes(leading_lines=[cst.EmptyLine(indent=False), *stmt.leading_lines])
+    return stmt

@@ -1,0 +1,330 @@
+"""The impl: built from an ``AttentionLayerSpec``, ``forward`` in the new signature and
+without the cache write, ``do_kv_cache_update`` gone, the layer read through
+``layer.kv_quant`` and ``self.spec``."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import libcst as cst
+
+from vllm.migrate.analysis import ClassInfo, function_body, is_docstring, params
+from vllm.migrate.declarations import Declarations
+from vllm.migrate.metadata import _names, _set_base, body_with, with_signature
+from vllm.migrate.plan import Plan, expression, statements_from
+from vllm.migrate.writes import WriteFinding
+
+SPEC_BY_POSITION: Final = (
+    ("num_heads", "spec.num_heads"), ("head_size", "spec.head_size"), ("scale", "spec.scale"),
+    ("num_kv_heads", "spec.num_kv_heads"), ("alibi_slopes", "None"),
+    ("sliding_window", "spec.sliding_window"), ("kv_cache_dtype", "spec.kv_cache_dtype"),
+    ("logits_soft_cap", "spec.logits_soft_cap"), ("attn_type", "spec.attn_type"),
+    ("kv_sharing_target_layer_name", "spec.kv_sharing_target_layer_name"),
+)
+"""Upstream's impl arguments in the order the adapter passes them, and what each is in
+the layer's ``AttentionLayerSpec`` (ALiBi slopes are always None here)."""
+
+LAYER_READS: Final = {
+    "_k_scale": "{l}.kv_quant.k_scale",
+    "_v_scale": "{l}.kv_quant.v_scale",
+    "_k_scale_cpu": "{l}.kv_quant.k_scale.cpu()",
+    "_v_scale_cpu": "{l}.kv_quant.v_scale.cpu()",
+    "_k_scale_float": "float({l}.kv_quant.k_scale)",
+    "_v_scale_float": "float({l}.kv_quant.v_scale)",
+    "_q_scale_float": "1.0",
+    "_q_scale": "torch.ones((), dtype=torch.float32, device={l}.kv_quant.k_scale.device)",
+    "_prob_scale": "torch.ones((), dtype=torch.float32, device={l}.kv_quant.k_scale.device)",
+    "num_heads": "self.spec.num_heads",
+    "head_size": "self.spec.head_size",
+    "head_size_v": "self.spec.v_head_size",
+    "num_kv_heads": "self.spec.num_kv_heads",
+    "sliding_window": "self.spec.sliding_window",
+    "attn_type": "self.spec.attn_type",
+    "kv_cache_dtype": "self.spec.kv_cache_dtype",
+    "kv_sharing_target_layer_name": "self.spec.kv_sharing_target_layer_name",
+}
+"""What a legacy impl read from upstream's layer, as the new layer protocol (the scales
+are ``[1]`` or ``[num_kv_heads]`` float32 where upstream's were 0-d; no query scale)."""
+LAYER_KEPT: Final = frozenset({"layer_name", "kv_quant"})
+
+LEGACY_IMPL_STATE: Final = frozenset({
+    "dcp_world_size", "dcp_rank", "pcp_world_size", "pcp_rank", "total_cp_world_size",
+    "total_cp_rank", "need_to_return_lse_for_decode",
+})
+"""Set by the legacy impl base before ``__init__`` (context parallelism); the new base
+does not."""
+
+
+def rewrite_impl(plan: Plan, cls: ClassInfo, meta: str, decl: Declarations,
+                 finding: WriteFinding | None, flagged: bool) -> None:
+    plan.need("vllm.attention", "AttentionImpl")
+    _set_base(plan, cls, f"AttentionImpl[{meta}]", legacy_base="AttentionImpl")
+    init = cls.methods.get("__init__")
+    if init is not None:
+        _rewrite_init(plan, cls, init, decl)
+    forward = cls.methods.get("forward")
+    if forward is None:
+        plan.mark(cls.node, f"{cls.name} has no forward()",
+                  "add forward(layer, query, key, value, kv_cache, attn_metadata, output)")
+    else:
+        _rewrite_forward(plan, forward, meta, finding)
+    update = cls.methods.get("do_kv_cache_update")
+    if update is not None and flagged:
+        plan.remove.add(update)
+    for name, fn in cls.methods.items():
+        layer = _layer_param(fn)
+        if layer is not None and fn not in plan.remove:
+            _rewrite_layer_reads(plan, fn, layer)
+    _legacy_state(plan, cls)
+    process = cls.methods.get("process_weights_after_loading")
+    if process is not None and any(not is_docstring(s) and plan.code(s) != "pass"
+                                   for s in function_body(process)):
+        plan.mark(process, "the new API never calls process_weights_after_loading()",
+                  "do this work in __init__ (or on the first forward)")
+
+
+def _layer_param(fn: cst.FunctionDef) -> str | None:
+    ps = [p.name.value for p in params(fn)]
+    if fn.name.value == "forward" and len(ps) > 1:
+        return ps[1]
+    return "layer" if "layer" in ps else None
+
+
+def _rewrite_init(plan: Plan, cls: ClassInfo, init: cst.FunctionDef, decl: Declarations) -> None:
+    info = plan.info
+    ps = params(init)[1:]
+    positional = [p for p in ps if p not in init.params.kwonly_params]
+    used = _names(init.body)
+    assigned = _assigned_names(init)
+    bindings: list[str] = []
+    inline: dict[str, str] = {}
+    by_name = dict(SPEC_BY_POSITION)
+    for i, p in enumerate(ps):
+        name = p.name.value
+        if name not in used:
+            continue
+        value = SPEC_BY_POSITION[i][1] if p in positional and i < len(SPEC_BY_POSITION) \
+            else by_name.get(name)
+        if value is None and p.default is not None:
+            value = info.module.code_for_node(p.default)
+        if value is None:
+            plan.mark(init, f"__init__ takes {name}, which the layer's AttentionLayerSpec "
+                      "does not carry", f"give {name} a value in __init__")
+            continue
+        if value.startswith("spec.") and name not in assigned:
+            inline[name] = value
+            continue
+        ann = info.module.code_for_node(p.annotation.annotation) if p.annotation else None
+        bindings.append(f"        {name}: {ann} = {value}\n" if ann else
+                        f"        {name} = {value}\n")
+    for node in _loads(init.body, set(inline)):
+        plan.replace(node, expression(inline[node.value]))
+    for star in (init.params.star_arg, init.params.star_kwarg):
+        if isinstance(star, cst.Param) and star.name.value in used:
+            empty = "{}" if star is init.params.star_kwarg else "()"
+            bindings.append(f"        {star.name.value}: "
+                            f"{'dict[str, object]' if empty == '{}' else 'tuple[object, ...]'}"
+                            f" = {empty}\n")
+    body = function_body(init)
+    for stmt in body:
+        if plan.code(stmt).startswith("super().__init__("):
+            plan.remove.add(stmt)
+    plan.remove.update(decl.refusals_folded)
+    for stmt in decl.refusals_left:
+        plan.mark(stmt, "the impl refuses a configuration in __init__, which the new API "
+                  "reads from the backend's declarations",
+                  "declare the refusal as class data (supports_*, attention_types, "
+                  "supported_kv_cache_dtypes) or in unsupported_reasons(), then delete it")
+    plan.need("vllm.attention", "AttentionLayerSpec")
+    first = "        super().__init__(spec)\n" + "".join(bindings)
+
+    def edit(updated: cst.FunctionDef) -> cst.FunctionDef:
+        new = with_signature(updated, ["self", "spec: AttentionLayerSpec"], "None")
+        return body_with(new, statements_from(first))
+
+    plan.edit(init, edit)
+
+
+def _assigned_names(fn: cst.FunctionDef) -> set[str]:
+    found: set[str] = set()
+
+    class Visitor(cst.CSTVisitor):
+        def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+            found.update(n.value for n in _flat_names(node.target))
+
+        def visit_AugAssign(self, node: cst.AugAssign) -> None:
+            found.update(n.value for n in _flat_names(node.target))
+
+        def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+            found.update(n.value for n in _flat_names(node.target))
+
+        def visit_For(self, node: cst.For) -> None:
+            found.update(n.value for n in _flat_names(node.target))
+
+    fn.body.visit(Visitor())
+    return found
+
+
+def _flat_names(target: cst.BaseExpression) -> list[cst.Name]:
+    if isinstance(target, cst.Name):
+        return [target]
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [n for el in target.elements for n in _flat_names(el.value)]
+    return []
+
+
+def _loads(node: cst.CSTNode, names: set[str]) -> list[cst.Name]:
+    """The ``Name`` nodes of ``node`` that read one of ``names`` (not attribute or keyword
+    names)."""
+    found: list[cst.Name] = []
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Name(self, n: cst.Name) -> None:
+            if n.value in names:
+                found.append(n)
+
+        def visit_Attribute(self, n: cst.Attribute) -> bool:
+            n.value.visit(self)
+            return False
+
+        def visit_Arg(self, n: cst.Arg) -> bool:
+            n.value.visit(self)
+            return False
+
+        def visit_FunctionDef(self, n: cst.FunctionDef) -> bool:
+            return False
+
+        def visit_Lambda(self, n: cst.Lambda) -> bool:
+            return False
+
+    node.visit(Visitor())
+    return found
+
+
+def _rewrite_forward(plan: Plan, fn: cst.FunctionDef, meta: str,
+                     finding: WriteFinding | None) -> None:
+    info = plan.info
+    ps = params(fn)[1:]
+    names = [p.name.value for p in ps]
+    if len(ps) < 6:
+        plan.mark(fn, "forward() takes fewer arguments than (layer, query, key, value, "
+                  "kv_cache, attn_metadata)", "write forward(self, layer, query, key, value, "
+                  "kv_cache, attn_metadata, output) -> torch.Tensor")
+        return
+    used = _names(fn.body)
+    added_output = len(ps) == 6
+    out = "output" if "output" not in used else "output_buffer"
+    kept = names[:7] if not added_output else [*names[:6], out]
+    bindings: list[str] = []
+    for p in ps[7:]:
+        name = p.name.value
+        if name not in used:
+            continue
+        if p.default is None:
+            plan.mark(fn, f"forward() takes {name}, which the new forward() is not given",
+                      f"compute {name} inside forward()")
+            continue
+        ann = info.module.code_for_node(p.annotation.annotation) if p.annotation else None
+        default = info.module.code_for_node(p.default)
+        bindings.append(f"        {name}: {ann} = {default}\n" if ann else
+                        f"        {name} = {default}\n")
+    types = ["AttentionLayerProtocol", "torch.Tensor", "torch.Tensor | None",
+             "torch.Tensor | None", "torch.Tensor", meta, "torch.Tensor"]
+    args = ["self", *(f"{n}: {t}" for n, t in zip(kept, types))]
+    plan.need("vllm.attention.backend", "AttentionLayerProtocol")
+    plan.need("torch")
+    if finding is not None:
+        plan.remove.update(finding.removed)
+        for write in finding.other_writes:
+            plan.mark(write.statement, "writes the cache, but not from the slot mapping",
+                      "move this write into a KVCacheWriter or delete it: forward() must "
+                      "not write kv_cache")
+        for stmt in finding.slot_reads_left:
+            plan.mark(stmt, "still reads the slot mapping",
+                      "compute without it: the slot mapping reaches only the writer")
+    if added_output:
+        _return_into(plan, fn, out)
+
+    def edit(updated: cst.FunctionDef) -> cst.FunctionDef:
+        new = with_signature(updated, args, "torch.Tensor")
+        return body_with(new, statements_from("".join(bindings))) if bindings else new
+
+    plan.edit(fn, edit)
+
+
+def _return_into(plan: Plan, fn: cst.FunctionDef, out: str) -> None:
+    """A legacy forward without an output buffer returned its own tensor; the new one
+    fills ``output`` and returns it (what the adapter does with the result)."""
+    returns: list[cst.Return] = []
+
+    class Visitor(cst.CSTVisitor):
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            return node is fn
+
+        def visit_Return(self, node: cst.Return) -> None:
+            returns.append(node)
+
+    fn.visit(Visitor())
+    for ret in returns:
+        def edit(updated: cst.Return) -> cst.Return:
+            if updated.value is None:
+                return updated
+            value = plan.info.module.code_for_node(updated.value)
+            return updated.with_changes(
+                value=expression(f"{out}.copy_(({value}).reshape({out}.shape))"))
+
+        plan.edit(ret, edit)
+    plan.notes.append(f"forward() takes the output buffer {out!r} and fills it (the legacy "
+                      "forward returned its own tensor)")
+
+
+def _rewrite_layer_reads(plan: Plan, fn: cst.FunctionDef, layer: str) -> None:
+    info = plan.info
+    reads: list[cst.Attribute] = []
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            if isinstance(node.value, cst.Name) and node.value.value == layer:
+                reads.append(node)
+
+    fn.body.visit(Visitor())
+    for node in reads:
+        attr = node.attr.value
+        if attr in LAYER_KEPT:
+            continue
+        new = LAYER_READS.get(attr)
+        if new is None:
+            plan.mark(info.statement_of(node), f"reads {layer}.{attr}, which the new layer "
+                      "protocol does not offer",
+                      f"read it from self.spec or {layer}.kv_quant, or pass it in")
+            continue
+        if new.startswith("torch."):
+            plan.need("torch")
+        plan.replace(node, expression(new.format(l=layer)))
+
+
+def _legacy_state(plan: Plan, cls: ClassInfo) -> None:
+    assigned: set[str] = set(cls.attrs)
+    reads: list[tuple[cst.Attribute, str]] = []
+
+    class Visitor(cst.CSTVisitor):
+        def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+            t = node.target
+            if isinstance(t, cst.Attribute) and isinstance(t.value, cst.Name) and \
+                    t.value.value == "self":
+                assigned.add(t.attr.value)
+
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            if isinstance(node.value, cst.Name) and node.value.value == "self" and \
+                    node.attr.value in LEGACY_IMPL_STATE:
+                reads.append((node, node.attr.value))
+
+    cls.node.visit(Visitor())
+    for node, attr in reads:
+        if attr in assigned:
+            continue
+        stmt = plan.info.statement_of(node)
+        if stmt in plan.remove:
+            continue
+        plan.mark(stmt, f"reads self.{attr}, which the legacy impl base set",
+                  f"set self.{attr} in __init__ (1, 0 or False without context parallelism)")

@@ -1,0 +1,274 @@
+"""Import statements: legacy-surface names to the new API, and the ones the migrated
+module needs. Runs after the other rewrites, on the names the module still uses."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+import libcst as cst
+
+from vllm.migrate.analysis import dotted, is_legacy_module, module_name
+from vllm.migrate.report import ManualStep
+
+NEW_API: Final[Mapping[str, tuple[str, str]]] = {
+    "AttentionBackend": ("vllm.attention", "AttentionBackend"),
+    "AttentionImpl": ("vllm.attention", "AttentionImpl"),
+    "AttentionMetadata": ("vllm.attention", "AttentionMetadata"),
+    "AttentionMetadataBuilder": ("vllm.attention", "AttentionMetadataBuilder"),
+    "CommonAttentionMetadata": ("vllm.attention", "CommonAttentionMetadata"),
+    "AttentionType": ("vllm.attention", "AttentionType"),
+    "AttentionLayer": ("vllm.attention.backend", "AttentionLayerProtocol"),
+}
+"""Legacy-surface names and the new-API name each becomes (the module the migrated code
+imports it from, and its name there)."""
+
+NEW_API_MODULES: Final = frozenset({"vllm.attention", "vllm.attention.backend"})
+
+
+def used_names(module: cst.Module) -> set[str]:
+    """Names the module reads outside its import statements."""
+    found: set[str] = set()
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Import(self, node: cst.Import) -> bool:
+            return False
+
+        def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+            return False
+
+        def visit_Name(self, node: cst.Name) -> None:
+            found.add(node.value)
+
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            node.value.visit(self)
+            return False
+
+        def visit_SimpleString(self, node: cst.SimpleString) -> None:
+            value = node.evaluated_value  # string annotations name classes too
+            if isinstance(value, str) and value.replace(".", "").replace("_", "").isalnum():
+                found.add(value.split(".")[0])
+
+    module.visit(Visitor())
+    return found
+
+
+@dataclass
+class ImportPlan:
+    needed: dict[str, set[str]] = field(default_factory=dict)
+    """Module -> names the migrated code uses from it (added where missing)."""
+    steps: list[ManualStep] = field(default_factory=list)
+
+    def need(self, module: str, *names: str) -> None:
+        self.needed.setdefault(module, set()).update(names)
+
+
+def _alias_local(alias: cst.ImportAlias) -> str:
+    if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
+        return alias.asname.name.value
+    name = dotted(alias.name) or ""
+    return name.split(".")[0]
+
+
+class ImportRewriter(cst.CSTTransformer):
+    """Drops legacy imports the module no longer uses, moves the ones with a new-API
+    counterpart there, marks the rest, and adds the imports in ``plan.needed``."""
+
+    def __init__(self, used: set[str], plan: ImportPlan) -> None:
+        super().__init__()
+        self.used = used
+        self.plan = plan
+        self.depth = 0
+
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        self.depth += 1
+
+    def leave_IndentedBlock(self, original: cst.IndentedBlock,
+                            updated: cst.IndentedBlock) -> cst.IndentedBlock:
+        self.depth -= 1
+        return updated
+
+    def leave_SimpleStatementLine(
+        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine
+    ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
+        if self.depth or not any(isinstance(s, (cst.Import, cst.ImportFrom))
+                                 for s in updated.body):
+            return updated
+        body: list[cst.BaseSmallStatement] = []
+        kept_legacy: list[str] = []
+        for small in updated.body:
+            if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
+                module = module_name(small.module, len(small.relative))
+                names = []
+                for alias in small.names:
+                    local = _alias_local(alias)
+                    name = dotted(alias.name) or ""
+                    legacy = is_legacy_module(module) or is_legacy_module(f"{module}.{name}")
+                    if module in ("typing", "typing_extensions") and local not in self.used:
+                        continue  # made unused by the rewrite (a legacy signature's Any)
+                    if module in NEW_API_MODULES:
+                        self.plan.needed.get(module, set()).discard(name)
+                    if not legacy:
+                        names.append(alias)
+                        continue
+                    if local not in self.used:
+                        continue
+                    new = NEW_API.get(name)
+                    if new is not None and alias.asname is None:
+                        self.plan.need(*new)
+                        continue
+                    names.append(alias)
+                    kept_legacy.append(f"{local} ({module})")
+                wanted = self.plan.needed.pop(module, set()) if not is_legacy_module(module) \
+                    and not small.relative else set()
+                have = {dotted(a.name) for a in names}
+                for extra in sorted(wanted - have):
+                    names.append(cst.ImportAlias(name=cst.Name(extra)))
+                if names:
+                    if wanted - have and all(a.asname is None for a in names):
+                        body.append(_from_import(module, [dotted(a.name) or "" for a in names]
+                                                 ).body[0])
+                        continue
+                    last = names[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                    body.append(small.with_changes(names=[*names[:-1], last]))
+            elif isinstance(small, cst.Import):
+                names = []
+                for alias in small.names:
+                    local = _alias_local(alias)
+                    full = dotted(alias.name) or ""
+                    if is_legacy_module(full):
+                        if local not in self.used:
+                            continue
+                        kept_legacy.append(f"{local} ({full})")
+                    names.append(alias)
+                if names:
+                    last = names[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                    body.append(small.with_changes(names=[*names[:-1], last]))
+            else:
+                body.append(small)
+        if not body:
+            return cst.RemoveFromParent()
+        result = updated.with_changes(body=body)
+        if kept_legacy:
+            step = ManualStep(
+                "still imported from the legacy surface, which shim's removal takes away",
+                f"replace {', '.join(kept_legacy)} with new-API code (vllm.attention) or "
+                "your own")
+            self.plan.steps.append(step)
+            result = result.with_changes(leading_lines=[
+                *result.leading_lines, cst.EmptyLine(comment=cst.Comment(step.comment))])
+        return result
+
+    def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
+        body: list[cst.BaseStatement] = list(updated.body)
+        existing = _existing_from_imports(body)
+        additions: list[cst.SimpleStatementLine] = []
+        for module in sorted(self.plan.needed, key=_import_order):
+            names = self.plan.needed[module]
+            at = existing.get(module)
+            if at is not None:
+                body[at] = _merge(body[at], names)  # type: ignore[arg-type]
+                continue
+            if names:
+                additions.append(_from_import(module, names))
+            elif not _imports_module(body, module):
+                stmt = cst.parse_statement(f"import {module}\n")
+                assert isinstance(stmt, cst.SimpleStatementLine)
+                additions.append(stmt)
+        for stmt in additions:
+            index = _insert_at(body, _statement_module(stmt))
+            if index < len(body) and _statement_module(body[index]):
+                displaced = body[index]  # the new import takes its place, blank lines too
+                assert isinstance(displaced, cst.SimpleStatementLine)
+                stmt = stmt.with_changes(leading_lines=displaced.leading_lines)
+                body[index] = displaced.with_changes(leading_lines=[])
+            body.insert(index, stmt)
+        return updated.with_changes(body=body)
+
+
+def _imports_module(body: list[cst.BaseStatement], module: str) -> bool:
+    for stmt in body:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, cst.Import) and any(
+                        dotted(a.name) == module and a.asname is None for a in small.names):
+                    return True
+    return False
+
+
+def _import_order(module: str) -> tuple[int, str]:
+    return (0 if module in ("dataclasses", "typing") else 1 if module == "torch" else 2, module)
+
+
+def _existing_from_imports(body: list[cst.BaseStatement]) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for i, stmt in enumerate(body):
+        if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and \
+                isinstance(stmt.body[0], cst.ImportFrom) and not stmt.body[0].relative and \
+                not isinstance(stmt.body[0].names, cst.ImportStar):
+            found.setdefault(module_name(stmt.body[0].module), i)
+    return found
+
+
+def _from_import(module: str, names: Iterable[str]) -> cst.SimpleStatementLine:
+    ordered = sorted(set(names))
+    line = f"from {module} import {', '.join(ordered)}"
+    if len(line) > 99:
+        inner = "".join(f"    {n},\n" for n in ordered)
+        line = f"from {module} import (\n{inner})"
+    stmt = cst.parse_statement(line + "\n")
+    assert isinstance(stmt, cst.SimpleStatementLine)
+    return stmt
+
+
+def _merge(stmt: cst.SimpleStatementLine, names: set[str]) -> cst.SimpleStatementLine:
+    node = stmt.body[0]
+    assert isinstance(node, cst.ImportFrom) and not isinstance(node.names, cst.ImportStar)
+    have = {dotted(a.name) for a in node.names if a.asname is None}
+    missing = sorted(names - {h for h in have if h})
+    if not missing:
+        return stmt
+    current = [dotted(a.name) or "" for a in node.names]
+    if any(a.asname is not None for a in node.names):
+        return stmt.with_changes(body=[node, *[
+            _from_import(module_name(node.module), missing).body[0]]])
+    merged = _from_import(module_name(node.module), [*current, *missing])
+    return merged.with_changes(leading_lines=stmt.leading_lines)
+
+
+def _statement_module(stmt: cst.BaseStatement) -> str:
+    if isinstance(stmt, cst.SimpleStatementLine) and stmt.body:
+        small = stmt.body[0]
+        if isinstance(small, cst.ImportFrom):
+            return module_name(small.module, len(small.relative))
+        if isinstance(small, cst.Import):
+            return dotted(small.names[0].name) or ""
+    return ""
+
+
+def _insert_at(body: list[cst.BaseStatement], module: str) -> int:
+    """Where an import of ``module`` goes among the module's leading imports: before the
+    first import of the same top-level package that sorts after it, else after the last
+    one of that package, else after them all."""
+    imports: list[tuple[int, str]] = []
+    for i, stmt in enumerate(body):
+        if isinstance(stmt, cst.SimpleStatementLine) and all(
+                isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body):
+            imports.append((i, _statement_module(stmt)))
+        elif imports or not (i == 0 and is_docstring_line(stmt)):
+            break
+    if not imports:
+        return 1 if body and is_docstring_line(body[0]) else 0
+    top = module.split(".")[0]
+    same = [(i, m) for i, m in imports if m.split(".")[0] == top]
+    for i, m in same:
+        if m > module:
+            return i
+    return same[-1][0] + 1 if same else imports[-1][0] + 1
+
+
+def is_docstring_line(stmt: cst.BaseStatement) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and \
+        isinstance(stmt.body[0], cst.Expr) and isinstance(
+            stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))

@@ -1,0 +1,429 @@
+"""The metadata class and its builder: ``slot_mapping`` dropped, the builder in the new
+signature, built from the new :class:`~vllm.attention.CommonAttentionMetadata`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+import libcst as cst
+
+from vllm.migrate.analysis import ClassInfo, ModuleInfo, class_body, dotted, function_body, \
+    is_docstring, params
+from vllm.migrate.plan import Plan, expression, method_from, statements_from
+
+COMMON_RENAMED: Final = {"block_table_tensor": "block_table"}
+"""Upstream's ``CommonAttentionMetadata`` fields under another name in the new one."""
+COMMON_DERIVED: Final = {
+    "num_computed_tokens_cpu":
+        "({c}.seq_lens_cpu - ({c}.query_start_loc_cpu[1:] - {c}.query_start_loc_cpu[:-1]))",
+}
+COMMON_ABSENT: Final = frozenset({
+    "logits_indices_padded", "num_logits_indices", "encoder_seq_lens", "encoder_seq_lens_cpu",
+    "dcp_local_seq_lens", "dcp_local_seq_lens_cpu",
+})
+"""Upstream fields the adapter always passes as None (no such feature here)."""
+COMMON_FIELDS: Final = frozenset({
+    "query_start_loc", "seq_lens", "block_table", "query_start_loc_cpu", "seq_lens_cpu",
+    "num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len", "block_size", "causal",
+})
+COMMON_METHODS: Final = {
+    "batch_size": "{c}.num_reqs",
+    "naive_query_lens": "({c}.query_start_loc[1:] - {c}.query_start_loc[:-1])",
+    "compute_num_computed_tokens":
+        "({c}.seq_lens - ({c}.query_start_loc[1:] - {c}.query_start_loc[:-1]))",
+}
+BUILDER_HOOKS: Final = frozenset({
+    "build_for_cudagraph_capture", "build_for_drafting", "update_block_table",
+    "reorder_batch", "use_cascade_attention", "get_cudagraph_support",
+})
+"""Legacy builder methods the runner of the new API never calls."""
+BUILDER_HOOK_ATTRS: Final = frozenset({
+    "_cudagraph_support", "cudagraph_support", "supports_update_block_table",
+})
+
+
+def metadata_fields(cls: ClassInfo) -> list[str]:
+    """The dataclass fields declared in ``cls``'s body, in order."""
+    fields = []
+    for stmt in class_body(cls.node):
+        if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+            small = stmt.body[0]
+            if isinstance(small, cst.AnnAssign) and isinstance(small.target, cst.Name):
+                ann = small.annotation.annotation
+                head = dotted(ann.value) if isinstance(ann, cst.Subscript) else dotted(ann)
+                if head is None or head.rpartition(".")[2] != "ClassVar":
+                    fields.append(small.target.value)
+    return fields
+
+
+def _dataclass_decorator(info: ModuleInfo, cls: ClassInfo) -> cst.Decorator | None:
+    for d in cls.node.decorators:
+        target = d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator
+        if info.qualified(target) in ("dataclasses.dataclass", "dataclass"):
+            return d
+    return None
+
+
+def _mutated_fields(info: ModuleInfo, cls: ClassInfo, fields: list[str]) -> bool:
+    """Whether the module assigns a field of the metadata on an object (not ``self``):
+    such code needs the dataclass unfrozen."""
+    names = set(fields)
+    found = False
+
+    class Visitor(cst.CSTVisitor):
+        def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+            nonlocal found
+            t = node.target
+            if isinstance(t, cst.Attribute) and t.attr.value in names and not (
+                    isinstance(t.value, cst.Name) and t.value.value == "self"):
+                found = True
+
+    info.module.visit(Visitor())
+    return found
+
+
+def rewrite_metadata(plan: Plan, cls: ClassInfo, legacy: bool) -> None:
+    """``cls`` as a dataclass subclassing the new ``AttentionMetadata``, without
+    ``slot_mapping``; ``legacy``: it subclasses the legacy ``AttentionMetadata``."""
+    info = plan.info
+    plan.need("vllm.attention", "AttentionMetadata")
+    body = class_body(cls.node)
+    for i, stmt in enumerate(body):
+        if cls.attr_lines.get("slot_mapping") is stmt:
+            plan.remove.add(stmt)
+            if i + 1 < len(body) and is_docstring(body[i + 1]):
+                plan.remove.add(body[i + 1])  # the field's docstring
+    fields = metadata_fields(cls)
+    decorator = _dataclass_decorator(info, cls)
+    if decorator is None:
+        plan.mark(cls.node, f"{cls.name} is not a dataclass",
+                  f"make {cls.name} a frozen dataclass subclassing AttentionMetadata "
+                  "without slot_mapping")
+    else:
+        frozen = not _mutated_fields(info, cls, fields)
+        target = decorator.decorator.func if isinstance(decorator.decorator, cst.Call) \
+            else decorator.decorator
+        kept = [a for a in (decorator.decorator.args if isinstance(decorator.decorator, cst.Call)
+                            else ()) if a.keyword is None or a.keyword.value not in
+                ("frozen", "kw_only")]
+        extra = "".join(f", {info.module.code_for_node(a).strip().rstrip(',')}" for a in kept)
+        text = f"{info.module.code_for_node(target)}({'frozen=True, ' if frozen else ''}" \
+               f"kw_only=True{extra})"
+        plan.replace(decorator, decorator.with_changes(decorator=expression(text)))
+        if not frozen:
+            plan.notes.append(f"{cls.name} stays an unfrozen dataclass: the module assigns its "
+                              "fields after construction")
+    _set_base(plan, cls, "AttentionMetadata", legacy_base="AttentionMetadata")
+    _rewrite_constructor_calls(plan, cls, fields)
+
+
+def _set_base(plan: Plan, cls: ClassInfo, new_base: str, legacy_base: str) -> None:
+    """Replace ``cls``'s legacy ``legacy_base`` base (or add ``new_base`` first)."""
+    info = plan.info
+    args = list(cls.node.bases)
+    replaced = False
+    for i, arg in enumerate(args):
+        value = arg.value.value if isinstance(arg.value, cst.Subscript) else arg.value
+        q = info.qualified(value)
+        if q is not None and q.endswith("." + legacy_base) and info.is_legacy_name(
+                value, legacy_base):
+            args[i] = arg.with_changes(value=expression(new_base))
+            replaced = True
+    if not replaced:
+        args.insert(0, cst.Arg(value=expression(new_base),
+                               comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+                               if args else cst.MaybeSentinel.DEFAULT))
+    node = cls.node
+
+    def edit(updated: cst.ClassDef) -> cst.ClassDef:
+        return updated.with_changes(bases=args, lpar=cst.LeftParen(), rpar=cst.RightParen()) \
+            if not isinstance(node.lpar, cst.LeftParen) else updated.with_changes(bases=args)
+
+    plan.edit(node, edit)
+
+
+def _rewrite_constructor_calls(plan: Plan, cls: ClassInfo, fields: list[str]) -> None:
+    """Calls of the metadata class: positional arguments become keywords (the class is
+    keyword-only now) and the ``slot_mapping`` argument goes."""
+    info = plan.info
+    calls: list[cst.Call] = []
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            if isinstance(node.func, cst.Name) and node.func.value == cls.name:
+                calls.append(node)
+
+    info.module.visit(Visitor())
+    for call in calls:
+        if any(a.star for a in call.args) or sum(a.keyword is None for a in call.args) > len(
+                fields):
+            plan.mark(info.statement_of(call), f"{cls.name}(...) is called with *args/**kwargs",
+                      f"call {cls.name} with keywords only, without slot_mapping")
+            continue
+        pairs: list[tuple[str, cst.Arg]] = []
+        for i, arg in enumerate(call.args):
+            name = arg.keyword.value if arg.keyword is not None else fields[i]
+            if name != "slot_mapping":
+                pairs.append((name, arg))
+        converted = any(arg.keyword is None for _, arg in pairs)
+        if converted:
+            plan.replace(call, _keyword_call(info, call, cls.name, pairs))
+        elif len(pairs) != len(call.args):
+            kept = [arg for _, arg in pairs]
+            if kept:
+                kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            plan.edit(call, _with_args(kept))
+
+
+def _with_args(args: list[cst.Arg]) -> Callable[[cst.Call], cst.Call]:
+    return lambda updated: updated.with_changes(args=args)
+
+
+def _keyword_call(info: ModuleInfo, call: cst.Call, name: str,
+                  pairs: list[tuple[str, cst.Arg]]) -> cst.BaseExpression:
+    """``name(field=value, ...)``: one line where it fits, else one argument a line."""
+    values = [(f, info.module.code_for_node(a.value).strip()) for f, a in pairs]
+    one = f"{name}({', '.join(f'{f}={v}' for f, v in values)})"
+    column = info.column(call)
+    if column + len(one) <= 99 or any("\n" in v for _, v in values):
+        return expression(one)
+    # continuation lines are indented relative to the statement's block
+    inner = "".join(f"    {f}={v},\n" for f, v in values)
+    return expression(f"{name}(\n{inner})")
+
+
+def rewrite_builder(plan: Plan, cls: ClassInfo, meta: str) -> None:
+    info = plan.info
+    plan.need("vllm.attention", "AttentionMetadataBuilder", "CommonAttentionMetadata")
+    _set_base(plan, cls, f"AttentionMetadataBuilder[{meta}]",
+              legacy_base="AttentionMetadataBuilder")
+    init = cls.methods.get("__init__")
+    if init is not None:
+        _rewrite_builder_init(plan, cls, init)
+    build = cls.methods.get("build")
+    if build is None:
+        plan.mark(cls.node, f"{cls.name} has no build()",
+                  f"add build(self, common: CommonAttentionMetadata) -> {meta}")
+    else:
+        _rewrite_build(plan, build, meta)
+    for name, fn in cls.methods.items():
+        if name in BUILDER_HOOKS:
+            if _referenced(info, name, fn):
+                plan.mark(fn, f"{name}() is a legacy runner hook the new API never calls",
+                          f"delete {name}() and what calls it, or fold it into build()")
+            else:
+                plan.remove.add(fn)
+                plan.notes.append(f"{cls.name}.{name}() deleted: the new API never calls it")
+    for name, line in cls.attr_lines.items():
+        if name in BUILDER_HOOK_ATTRS and not _referenced(info, name, line):
+            plan.remove.add(line)
+            plan.notes.append(f"{cls.name}.{name} deleted: the new API never reads it")
+
+
+def _referenced(info: ModuleInfo, attr: str, definition: cst.CSTNode) -> bool:
+    """Whether the module reads ``<x>.attr`` anywhere outside ``definition``."""
+    found = False
+
+    class Visitor(cst.CSTVisitor):
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            return node is not definition
+
+        def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool:
+            return node is not definition
+
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            nonlocal found
+            if node.attr.value == attr:
+                found = True
+
+    info.module.visit(Visitor())
+    return found
+
+
+def _signature(name: str, args: list[str], returns: str) -> str:
+    one = f"    def {name}({', '.join(args)}) -> {returns}:\n"
+    if len(one) <= 100:
+        return one
+    inner = "".join(f"        {a},\n" for a in args)
+    return f"    def {name}(\n{inner}    ) -> {returns}:\n"
+
+
+def with_signature(fn: cst.FunctionDef, args: list[str], returns: str) -> cst.FunctionDef:
+    """``fn`` with a new parameter list and return annotation (body, decorators and
+    comments kept)."""
+    sig = method_from(_signature(fn.name.value, args, returns) + "        pass\n")
+    return fn.with_changes(params=sig.params, returns=sig.returns,
+                           whitespace_before_params=sig.whitespace_before_params)
+
+
+def _docstring_split(fn: cst.FunctionDef) -> tuple[list[cst.BaseStatement], list[cst.BaseStatement]]:
+    body = function_body(fn)
+    if body and is_docstring(body[0]):
+        return body[:1], body[1:]
+    return [], body
+
+
+def body_with(fn: cst.FunctionDef, first: list[cst.BaseStatement]) -> cst.FunctionDef:
+    """``fn`` with ``first`` inserted after its docstring."""
+    doc, rest = _docstring_split(fn)
+    block = fn.body
+    if not isinstance(block, cst.IndentedBlock):
+        block = cst.IndentedBlock(body=rest)
+    return fn.with_changes(body=block.with_changes(body=[*doc, *first, *rest]))
+
+
+def _rewrite_builder_init(plan: Plan, cls: ClassInfo, init: cst.FunctionDef) -> None:
+    info = plan.info
+    ps = [p.name.value for p in params(init)[1:]]
+    device = ps[-1] if ps else "device"
+    extra = ps[:-1]
+    _, rest = _docstring_split(init)
+    dropped: list[cst.BaseStatement] = []
+    for stmt in rest:
+        code = plan.code(stmt)
+        if code in (f"self.device = {device}", f"self.{device} = {device}"):
+            dropped.append(stmt)
+        elif code.startswith("super().__init__("):
+            dropped.append(stmt)
+    if all(s in dropped for s in rest):
+        plan.remove.add(init)
+        plan.notes.append(f"{cls.name}.__init__ deleted: the base class stores spec and device")
+        return
+    plan.remove.update(dropped)
+    for stmt in rest:
+        if stmt in dropped:
+            continue
+        used = _names(stmt) & set(extra)
+        if used:
+            plan.mark(stmt, f"reads {', '.join(sorted(used))}, which the new builder is not "
+                      "given", "compute it from self.spec (AttentionLayerSpec) or per step "
+                      "in build() from the CommonAttentionMetadata")
+    plan.need("vllm.attention", "AttentionLayerSpec")
+
+    def edit(updated: cst.FunctionDef) -> cst.FunctionDef:
+        new = with_signature(updated, ["self", "spec: AttentionLayerSpec",
+                                       f"{device}: torch.device"], "None")
+        return body_with(new, statements_from(f"        super().__init__(spec, {device})\n"))
+
+    plan.edit(init, edit)
+    if extra:
+        plan.notes.append(f"{cls.name}.__init__ takes (spec, device) instead of "
+                          f"({', '.join(ps)})")
+
+
+def _names(node: cst.CSTNode) -> set[str]:
+    found: set[str] = set()
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Name(self, n: cst.Name) -> None:
+            found.add(n.value)
+
+        def visit_Attribute(self, n: cst.Attribute) -> bool:
+            n.value.visit(self)
+            return False
+
+    node.visit(Visitor())
+    return found
+
+
+def _rewrite_build(plan: Plan, build: cst.FunctionDef, meta: str) -> None:
+    info = plan.info
+    ps = params(build)[1:]
+    names = [p.name.value for p in ps]
+    if len(ps) >= 2:
+        common, others = names[1], [ps[0], *ps[2:]]
+    elif ps:
+        common, others = names[0], []
+    else:
+        common, others = "common", []
+    aliases = {common}
+    for stmt in function_body(build):  # c = common_attn_metadata
+        if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+            small = stmt.body[0]
+            if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(
+                    small.targets[0].target, cst.Name) and isinstance(small.value, cst.Name) \
+                    and small.value.value == common:
+                aliases.add(small.targets[0].target.value)
+    _rewrite_common_reads(plan, build, aliases)
+    used = _names(build.body)
+    bindings = []
+    legacy_values = {0: "0"}  # common_prefix_len: the adapter passes 0; fast_build False
+    for i, p in enumerate(others):
+        name = p.name.value
+        if name not in used:
+            continue
+        default = legacy_values.get(i) if i == 0 and len(ps) >= 2 else (
+            info.module.code_for_node(p.default) if p.default is not None else None)
+        if default is None:
+            default = "False" if name == "fast_build" else None
+        if default is None:
+            plan.mark(build, f"build() reads {name}, which the new build() is not given",
+                      f"compute {name} from the CommonAttentionMetadata in build()")
+            continue
+        ann = info.module.code_for_node(p.annotation.annotation) if p.annotation else None
+        bindings.append(f"        {name}: {ann} = {default}\n" if ann else
+                        f"        {name} = {default}\n")
+    returns = info.module.code_for_node(build.returns.annotation) if build.returns else meta
+
+    def edit(updated: cst.FunctionDef) -> cst.FunctionDef:
+        new = with_signature(updated, ["self", f"{common}: CommonAttentionMetadata"], returns)
+        return body_with(new, statements_from("".join(bindings))) if bindings else new
+
+    plan.edit(build, edit)
+
+
+def _rewrite_common_reads(plan: Plan, fn: cst.FunctionDef, aliases: set[str]) -> None:
+    """Upstream's ``CommonAttentionMetadata`` reads as the new one's."""
+    info = plan.info
+    found: list[tuple[cst.CSTNode, str, str, bool]] = []  # node, alias, attr, is_call
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            f = node.func
+            if isinstance(f, cst.Attribute) and isinstance(f.value, cst.Name) and \
+                    f.value.value in aliases and f.attr.value in COMMON_METHODS:
+                found.append((node, f.value.value, f.attr.value, True))
+
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            if isinstance(node.value, cst.Name) and node.value.value in aliases:
+                found.append((node, node.value.value, node.attr.value, False))
+
+    fn.body.visit(Visitor())
+    calls = {id(n.func) for n, _, _, is_call in found if is_call}  # type: ignore[attr-defined]
+    for node, alias, attr, is_call in found:
+        if is_call:
+            plan.replace(node, expression(COMMON_METHODS[attr].format(c=alias)))
+        elif id(node) in calls:
+            continue
+        elif attr in COMMON_RENAMED:
+            plan.replace(node, expression(f"{alias}.{COMMON_RENAMED[attr]}"))
+        elif attr in COMMON_DERIVED:
+            plan.replace(node, expression(COMMON_DERIVED[attr].format(c=alias)))
+        elif attr in COMMON_ABSENT:
+            plan.replace(node, expression("None"))
+        elif attr == "slot_mapping":
+            if not _is_slot_argument(info, node):
+                plan.mark(info.statement_of(node), "build() reads the slot mapping",
+                          "drop it: the slot mapping reaches only the writer, through the "
+                          "ForwardContext")
+        elif attr not in COMMON_FIELDS:
+            plan.mark(info.statement_of(node),
+                      f"reads {alias}.{attr}, which CommonAttentionMetadata does not have",
+                      f"compute {attr} from the fields of vllm.attention."
+                      "CommonAttentionMetadata")
+
+
+def _is_slot_argument(info: ModuleInfo, node: cst.CSTNode) -> bool:
+    """``node`` is the ``slot_mapping`` argument of a metadata constructor call (dropped)."""
+    arg = info.parent(node)
+    call = info.parent(arg) if arg is not None else None
+    if not isinstance(arg, cst.Arg) or not isinstance(call, cst.Call):
+        return False
+    if not (isinstance(call.func, cst.Name) and call.func.value == info.metadata_class):
+        return False
+    if arg.keyword is not None:
+        return arg.keyword.value == "slot_mapping"
+    index = [a for a in call.args if a.keyword is None].index(arg)
+    fields = info.metadata_fields
+    return index < len(fields) and fields[index] == "slot_mapping"

@@ -1,0 +1,208 @@
+"""One migration: read the module, find the backend and its pieces, plan every edit,
+apply them, and list what is left for a person."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import libcst as cst
+
+from vllm.attention.types import KVCacheLayout
+from vllm.migrate.analysis import (
+    ClassInfo,
+    ModuleInfo,
+    Pieces,
+    choose_backend,
+    find_pieces,
+    is_legacy_backend,
+    params,
+    read_module,
+)
+from vllm.migrate.backend_class import rewrite_backend
+from vllm.migrate.declarations import read_declarations
+from vllm.migrate.impl import rewrite_impl
+from vllm.migrate.imports import ImportRewriter, used_names
+from vllm.migrate.layout import SPLIT_FAMILY, infer_layout
+from vllm.migrate.metadata import metadata_fields, rewrite_builder, rewrite_metadata
+from vllm.migrate.plan import Apply, Plan, expression
+from vllm.migrate.report import MARKER, ManualStep, MigrationError, MigrationResult
+from vllm.migrate.source import Target, parse_source, read_source
+from vllm.migrate.writes import WriteFinding, find_writes
+
+FORWARD_CACHE_ARG = 5
+"""``kv_cache`` in ``forward(self, layer, query, key, value, kv_cache, attn_metadata, ...)``."""
+UPDATE_CACHE_ARG = 4
+"""``kv_cache`` in ``do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping)``."""
+
+
+def migrate(target: Target) -> MigrationResult:
+    """The migrated module of ``target`` (nothing is written)."""
+    text = read_source(target.path)
+    return migrate_source(target.path, text, target.class_name)
+
+
+def migrate_source(path: Path, text: str, class_name: str | None = None) -> MigrationResult:
+    info = read_module(path, parse_source(path, text))
+    backend = choose_backend(info, class_name)
+    _refuse_local_bases(info, backend)
+    pieces = find_pieces(info, backend)
+    _refuse_mla(info, pieces)
+    flagged = _is_flagged(info, pieces)
+    found = infer_layout(info, backend)
+    layout = found.layout
+    forward = pieces.impl.methods.get("forward")
+    forward_writes = _writes_of(info, forward, FORWARD_CACHE_ARG, None)
+    if flagged:
+        update = pieces.impl.methods["do_kv_cache_update"]
+        update_writes = _writes_of(info, update, UPDATE_CACHE_ARG, UPDATE_CACHE_ARG + 1)
+        _require_write(info, pieces.impl, update, update_writes)
+        _check_kinds(info, pieces, update_writes, layout)
+    else:
+        if forward is None:
+            raise MigrationError(f"{info.path}: {pieces.impl.name} has no forward()")
+        _require_write(info, pieces.impl, forward, forward_writes)
+        _check_kinds(info, pieces, forward_writes, layout)
+    decl = read_declarations(info, pieces, layout)
+
+    plan = Plan(info)
+    meta = pieces.metadata.name
+    info.metadata_class = meta
+    info.metadata_fields = metadata_fields(pieces.metadata)
+    rewrite_metadata(plan, pieces.metadata, legacy=True)
+    rewrite_builder(plan, pieces.builder, meta)
+    rewrite_impl(plan, pieces.impl, meta, decl, forward_writes, flagged)
+    rewrite_backend(plan, pieces, decl, found.note)
+    _legacy_helpers(plan)
+    for other in info.classes.values():
+        if other is not backend and is_legacy_backend(info, other):
+            plan.mark(other.node, f"{other.name} is another legacy backend of this module, "
+                      "left as it was", f"migrate {other.name} in a module of its own")
+    if found.note:
+        plan.notes.append(found.note)
+
+    module = info.module.visit(Apply(plan))
+    module = module.visit(ImportRewriter(used_names(module), plan.imports))
+    code = module.code
+    return MigrationResult(
+        source=path, class_name=backend.name, backend_name=decl.name or backend.name,
+        generation="flagged" if flagged else "fused", layout=layout.name, code=code,
+        manual_steps=manual_steps(code), notes=plan.notes)
+
+
+def manual_steps(code: str) -> list[ManualStep]:
+    """The marker comments of a migrated module, in order, with their lines."""
+    steps = []
+    for number, line in enumerate(code.splitlines(), start=1):
+        text = line.strip()
+        if text.startswith(MARKER):
+            reason, _, todo = text[len(MARKER):].strip().partition("; ")
+            steps.append(ManualStep(reason, todo or reason, number))
+    return steps
+
+
+def _refuse_local_bases(info: ModuleInfo, backend: ClassInfo) -> None:
+    bases = [b for b in backend.bases if b in info.classes]
+    if bases:
+        raise MigrationError(
+            f"{info.path}: {backend.name} subclasses {', '.join(bases)}, a class of this "
+            f"module: the command migrates a backend that stands alone; copy what "
+            f"{backend.name} inherits into it (or migrate {bases[0]} first)")
+
+
+def _refuse_mla(info: ModuleInfo, pieces: Pieces) -> None:
+    mla = any(b.endswith("MLAAttentionImpl") for b in pieces.impl.bases) or any(
+        m in pieces.impl.methods for m in ("forward_mha", "forward_mqa"))
+    is_mla = pieces.backend.methods.get("is_mla")
+    if mla or (is_mla is not None and "True" in info.module.code_for_node(is_mla)):
+        raise MigrationError(
+            f"{info.path}: {pieces.backend.name} is a legacy MLA backend (forward_mha / "
+            "forward_mqa): the command migrates standard attention backends; move it onto "
+            "vllm.attention.backends.mla's bases by hand (docs/mla.md, migration_guide.md)")
+
+
+def _is_flagged(info: ModuleInfo, pieces: Pieces) -> bool:
+    """The generation, with the adapter's consistency checks."""
+    flag = None
+    for cls in info.local_mro(pieces.backend):
+        if "forward_includes_kv_cache_update" in cls.attrs:
+            flag = info.module.code_for_node(cls.attrs["forward_includes_kv_cache_update"])
+            break
+    has_update = "do_kv_cache_update" in pieces.impl.methods
+    name = pieces.backend.name
+    if flag not in (None, "True", "False"):
+        raise MigrationError(
+            f"{info.path}: {name}.forward_includes_kv_cache_update = {flag}: expected True or "
+            "False (a literal)")
+    if flag == "False" and not has_update:
+        raise MigrationError(
+            f"{info.path}: {name} sets forward_includes_kv_cache_update = False but "
+            f"{pieces.impl.name} has no do_kv_cache_update(): no cache write to migrate; add "
+            "it, or remove the flag if forward() writes the cache")
+    if flag != "False" and has_update:
+        raise MigrationError(
+            f"{info.path}: {pieces.impl.name} defines do_kv_cache_update() but "
+            f"{name}.forward_includes_kv_cache_update is not False, so the legacy code "
+            "writes twice; set the flag (or delete do_kv_cache_update) first")
+    return flag == "False"
+
+
+def _writes_of(info: ModuleInfo, fn: cst.FunctionDef | None, cache_arg: int,
+               slot_arg: int | None) -> WriteFinding | None:
+    if fn is None:
+        return None
+    ps = params(fn)
+    if len(ps) <= cache_arg:
+        return None
+    slot = ps[slot_arg].name.value if slot_arg is not None and len(ps) > slot_arg else None
+    return find_writes(info, fn, ps[cache_arg].name.value, slot)
+
+
+def _require_write(info: ModuleInfo, impl: ClassInfo, fn: cst.FunctionDef,
+                   finding: WriteFinding | None) -> None:
+    if finding is not None and finding.writes:
+        return
+    where = f"{info.path}: {impl.name}.{fn.name.value}()"
+    others = "; ".join(w.what for w in finding.other_writes) if finding else ""
+    also = f" (it writes the cache, but not from the slot mapping: {others})" if others else ""
+    raise MigrationError(
+        f"{where}: found no cache write from the slot mapping{also}. The command moves "
+        "writes it recognises: reshape_and_cache_flash, reshape_and_cache, "
+        "concat_and_cache_mla, index_put_/index_copy_ or an indexed assignment into the "
+        "kv_cache argument (or a view of it) at slot-mapping indices. Migrate this backend "
+        "by hand (migration_guide.md)")
+
+
+def _check_kinds(info: ModuleInfo, pieces: Pieces, finding: WriteFinding | None,
+                 layout: KVCacheLayout) -> None:
+    for write in finding.writes if finding else ():
+        ok = (write.kind == "index" or (write.kind == "split" and layout in SPLIT_FAMILY)
+              or (write.kind == "legacy_paged" and layout is KVCacheLayout.LEGACY_PAGED))
+        if write.kind == "mla":
+            raise MigrationError(
+                f"{info.path}: {pieces.impl.name} writes with concat_and_cache_mla, an MLA "
+                "write: the command migrates standard attention backends; move it onto "
+                "vllm.attention.backends.mla's bases by hand (docs/mla.md)")
+        if not ok:
+            raise MigrationError(
+                f"{info.path}: {pieces.impl.name} writes with {write.what.split('(')[0]}, "
+                f"which writes the {write.kind} layout, but {pieces.backend.name}."
+                f"get_kv_cache_shape implies {layout.name}: the command cannot tell which "
+                "writer is right; make them agree (or declare kv_cache_layout)")
+
+
+def _legacy_helpers(plan: Plan) -> None:
+    """Calls of legacy helpers with an exact new-API spelling."""
+    info = plan.info
+    found: list[cst.Call] = []
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            if info.is_legacy_name(node.func, "is_quantized_kv_cache") and \
+                    len(node.args) == 1 and node.args[0].keyword is None:
+                found.append(node)
+
+    info.module.visit(Visitor())
+    for call in found:
+        arg = info.module.code_for_node(call.args[0].value)
+        # the spec's cache dtype is a KVCacheDType: quantised means anything but auto
+        plan.replace(call, expression(f'({arg} != "auto")'))
