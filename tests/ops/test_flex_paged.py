@@ -102,6 +102,33 @@ def test_flex_page_table_matches_float64_reference(case: Case) -> None:
     assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
 
 
+@pytest.mark.usefixtures("dynamo_only")
+@pytest.mark.parametrize("mode", ["gather", "page_table"])
+def test_layers_of_one_step_share_its_masks_by_their_options(mode: str) -> None:
+    """A step's block masks are built once per layer options (two layers, one with a
+    window) and rebuilt for the next step's metadata."""
+    from vllm.attention.ops import flex_paged
+
+    qlens = (1, 1, 1) if mode == "page_table" else (4, 1, 7)
+    plain = build(Case(L.SPLIT_BLOCK_INTERLEAVED, query_lens=qlens, context_lens=(20, 33, 9)))
+    windowed = build(plain.case.with_(sliding_window=9))
+    assert torch.equal(plain.kv_cache.nan_to_num(), windowed.kv_cache.nan_to_num())
+    _poison_finite(plain)
+    meta = plain.batch.common
+    for b in (plain, windowed, plain, windowed):
+        out = b.new_output()
+        flex_paged_attention(plain.query, plain.kv, meta, scale=b.case.scale, output=out,
+                             sliding_window=b.case.sliding_window, mode=mode,  # type: ignore[arg-type]
+                             compiled=True)
+        assert rel_err(out, b.reference) <= TOLERANCE[torch.float32]
+    assert len(flex_paged._STEP_CACHE["entries"]) == 2
+    other = build(plain.case.with_(seed=5))
+    _poison_finite(other)
+    flex_paged_attention(other.query, other.kv, other.batch.common, scale=other.case.scale,
+                         output=other.new_output(), mode=mode, compiled=True)  # type: ignore[arg-type]
+    assert len(flex_paged._STEP_CACHE["entries"]) == 1
+
+
 def test_page_table_mode_needs_the_compiled_kernel() -> None:
     b = build(PAGE_TABLE_CASES[0])
     with pytest.raises(InvalidArgumentError, match="compiled"):

@@ -35,6 +35,7 @@ path we choose there, so that warning is silenced for this call only, by its mes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import warnings
@@ -117,8 +118,6 @@ def _call_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask:
             kwargs["return_lse"] = True
     if compiled and kernel_options:
         kwargs["kernel_options"] = kernel_options
-    if compiled:
-        _mark_sizes_dynamic(block_mask)
     with warnings.catch_warnings(), _compile_limits(compiled):
         # eager flex (our CPU path) warns that it is unfused: the path we chose,
         # silenced for this call only
@@ -352,38 +351,48 @@ def _at_least_2(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, pad])
 
 
+def _gather_block_mask(batch: PagedBatchLike, key_start: torch.Tensor, num_tokens: int,
+                       num_keys: int, *, causal: bool, window: int | None,
+                       tree_mask: torch.Tensor | None) -> Any:
+    """The packed layout's ``BlockMask`` (``num_keys``: rows of the gathered K/V)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    dev = key_start.device
+    starts = batch.query_start_loc_cpu.to(torch.int64)
+    q_lens = starts[1:] - starts[:-1]
+    seq_lens = batch.seq_lens_cpu.to(torch.int64)
+    ctx = seq_lens - q_lens
+    q_req = torch.repeat_interleave(torch.arange(batch.num_reqs), q_lens)
+    q_pos = torch.arange(num_tokens) - torch.repeat_interleave(starts[:-1] - ctx, q_lens)
+    tree = None if tree_mask is None else (tree_mask[:num_tokens] != 0)
+    if num_tokens < 2:  # a padding query that sees nothing (position -1)
+        q_req, q_pos = _at_least_2(q_req), torch.cat([q_pos, torch.tensor([-1])])
+        tree = None if tree is None else _at_least_2(tree)
+    lens_dev = _at_least_2(batch.seq_lens.to(torch.int64))
+    mask_mod = _gather_mask(q_req.to(dev), q_pos.to(dev), key_start, lens_dev,
+                            _at_least_2(ctx).to(dev), tree, causal=causal, window=window)
+    n_part, parts, n_full, fulls = (t.to(dev) for t in _gather_block_lists(
+        q_lens, seq_lens, causal=causal, window=window, tree=tree is not None))
+    block_mask = BlockMask.from_kv_blocks(
+        n_part[None, None], parts[None, None], n_full[None, None], fulls[None, None],
+        BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod,
+        seq_lengths=(max(num_tokens, 2), num_keys), compute_q_blocks=False)
+    _mark_sizes_dynamic(block_mask)
+    return block_mask
+
+
 def _run_gather(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, num_tokens: int, *,
                 scale: float, causal: bool, sliding_window: int | None,
                 score_mod: ScoreMod | None, tree_mask: torch.Tensor | None, compiled: bool,
                 kernel_options: dict[str, Any] | None) -> torch.Tensor:
     """``[1, Hq, >= T, Dv]`` over packed K/V (rows past ``T``: padding)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    dev = query.device
-    starts = batch.query_start_loc_cpu.to(torch.int64)
-    q_lens = starts[1:] - starts[:-1]
-    seq_lens = batch.seq_lens_cpu.to(torch.int64)
-    ctx = seq_lens - q_lens
     k, v, key_start = gather_tokens(kv, batch, query.dtype)
     k, v = _at_least_2(k), _at_least_2(v)
-    q_req = torch.repeat_interleave(torch.arange(batch.num_reqs), q_lens)
-    q_pos = torch.arange(num_tokens) - torch.repeat_interleave(starts[:-1] - ctx, q_lens)
-    tree = None if tree_mask is None else (tree_mask[:num_tokens] != 0)
-    q_rows = query[:num_tokens]
-    if num_tokens < 2:  # a padding query that sees nothing (position -1)
-        q_req, q_pos = _at_least_2(q_req), torch.cat([q_pos, torch.tensor([-1])])
-        q_rows = _at_least_2(q_rows)
-        tree = None if tree is None else _at_least_2(tree)
-    lens_dev = _at_least_2(batch.seq_lens.to(torch.int64))
-    mask_mod = _gather_mask(q_req.to(dev), q_pos.to(dev), key_start, lens_dev,
-                            _at_least_2(ctx).to(dev), tree, causal=causal,
-                            window=sliding_window)
-    n_part, parts, n_full, fulls = (t.to(dev) for t in _gather_block_lists(
-        q_lens, seq_lens, causal=causal, window=sliding_window, tree=tree is not None))
-    block_mask = BlockMask.from_kv_blocks(
-        n_part[None, None], parts[None, None], n_full[None, None], fulls[None, None],
-        BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod,
-        seq_lengths=(q_rows.shape[0], k.shape[0]), compute_q_blocks=False)
+    block_mask = _per_batch(
+        batch, ("gather", causal, sliding_window, None if tree_mask is None else id(tree_mask)),
+        lambda: _gather_block_mask(batch, key_start, num_tokens, k.shape[0], causal=causal,
+                                   window=sliding_window, tree_mask=tree_mask))
+    q_rows = _at_least_2(query[:num_tokens])
     q4 = q_rows.transpose(0, 1).unsqueeze(0)
     out, _ = _call_flex(q4, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                         block_mask=block_mask, score_mod=score_mod, scale=scale,
@@ -441,6 +450,8 @@ class _PageTables:
     tail_len: torch.Tensor
     """``[rows]`` int64: written rows of that page (0: no tail)."""
     has_tail: bool
+    block_mask: Any = None
+    """The ``BlockMask`` over the cache's slots (set by :func:`_page_block_mask`)."""
 
 
 def _page_tables(batch: PagedBatchLike, num_blocks: int, block_size: int, *, causal: bool,
@@ -508,24 +519,24 @@ def _page_tables(batch: PagedBatchLike, num_blocks: int, block_size: int, *, cau
     )
 
 
-_CACHE: dict[str, Any] = {}
+_STEP_CACHE: dict[str, Any] = {}
 
 
-def _cached_page_tables(batch: PagedBatchLike, num_blocks: int, block_size: int, *,
-                        causal: bool, window: int | None) -> _PageTables:
-    """:func:`_page_tables`, built once per batch object and layer options (a step's
-    layers share its metadata)."""
-    key = (num_blocks, block_size, causal, window)
-    ref = _CACHE.get("batch")
-    if ref is not None and ref() is batch and _CACHE.get("key") == key:
-        tables: _PageTables = _CACHE["tables"]
-        return tables
-    tables = _page_tables(batch, num_blocks, block_size, causal=causal, window=window)
-    try:
-        _CACHE.update(batch=weakref.ref(batch), key=key, tables=tables)
-    except TypeError:  # a batch object that cannot be weakly referenced: no reuse
-        _CACHE.clear()
-    return tables
+def _per_batch(batch: PagedBatchLike, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+    """``build()``, once per batch object and ``key``: a step's layers share its metadata,
+    so its block masks are built by the first layer and reused by the others (the
+    previous step's entries are dropped)."""
+    ref = _STEP_CACHE.get("batch")
+    if ref is None or ref() is not batch:
+        _STEP_CACHE.clear()
+        try:
+            _STEP_CACHE["batch"] = weakref.ref(batch)
+        except TypeError:  # an object that cannot be weakly referenced: no reuse
+            return build()
+    entries: dict[tuple[Any, ...], Any] = _STEP_CACHE.setdefault("entries", {})
+    if key not in entries:
+        entries[key] = build()
+    return entries[key]
 
 
 def _padded_queries(query: torch.Tensor, batch: PagedBatchLike, rows: int, q_len: int
@@ -590,28 +601,37 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     return merged
 
 
+def _page_block_mask(batch: PagedBatchLike, kv: PagedKV, *, causal: bool,
+                     window: int | None) -> _PageTables:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    bs = kv.block_size
+    t = _page_tables(batch, kv.num_blocks, bs, causal=causal, window=window)
+    mask_mod = _page_mask(t.p2l, t.q_ctx, t.whole, block_size=bs, causal=causal, window=window)
+    block_mask = BlockMask.from_kv_blocks(
+        t.n_part[:, None], t.parts[:, None], t.n_full[:, None], t.fulls[:, None],
+        BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod,
+        seq_lengths=(t.q_len, kv.num_blocks * bs), compute_q_blocks=False)
+    _mark_sizes_dynamic(block_mask)
+    return dataclasses.replace(t, block_mask=block_mask)
+
+
 def _run_page_table(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, *,
                     scale: float, causal: bool, sliding_window: int | None,
                     logits_soft_cap: float | None, kernel_options: dict[str, Any] | None
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``([rows, Hq, q_len, Dv], flat query rows or None)`` over the cache in place."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     bs = kv.block_size
-    t = _cached_page_tables(batch, kv.num_blocks, bs, causal=causal, window=sliding_window)
+    t: _PageTables = _per_batch(
+        batch, ("page_table", kv.num_blocks, bs, causal, sliding_window),
+        lambda: _page_block_mask(batch, kv, causal=causal, window=sliding_window))
     q4, idx = _padded_queries(query, batch, t.rows, t.q_len)
     k4 = kv.key.data.flatten(0, 1).transpose(0, 1).unsqueeze(0)     # [1, H, nb*bs, D], a view
     v4 = kv.value.data.flatten(0, 1).transpose(0, 1).unsqueeze(0)
-    mask_mod = _page_mask(t.p2l, t.q_ctx, t.whole, block_size=bs, causal=causal,
-                          window=sliding_window)
-    block_mask = BlockMask.from_kv_blocks(
-        t.n_part[:, None], t.parts[:, None], t.n_full[:, None], t.fulls[:, None],
-        BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod, seq_lengths=(t.q_len, k4.shape[2]),
-        compute_q_blocks=False)
     options = dict(kernel_options or {})
     if bs < 64:  # a kernel key tile must divide the mask's (one page)
         options.setdefault("BLOCK_N", bs)
-    out, lse = _call_flex(q4, k4, v4, block_mask=block_mask,
+    out, lse = _call_flex(q4, k4, v4, block_mask=t.block_mask,
                           score_mod=_soft_cap_mod(logits_soft_cap), scale=scale,
                           compiled=True, lse=t.has_tail, kernel_options=options)
     if t.has_tail and lse is not None:
