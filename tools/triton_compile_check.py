@@ -118,6 +118,9 @@ def _sig(fn: Any, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[str, 
     for name, arg in zip(names, args):
         if isinstance(arg, torch.Tensor):
             sig[name] = "*" + _TYPES[arg.dtype]
+        elif type(arg).__name__ == "TensorDescriptor":  # host TMA descriptor
+            sig[name] = (f"tensordesc<{_TYPES[arg.base.dtype]}"
+                         f"[{', '.join(map(str, arg.block_shape))}]>")
         elif isinstance(arg, bool):
             sig[name] = "i1"
         elif isinstance(arg, int):
@@ -179,17 +182,25 @@ def record_paged(target: Target) -> list[Call]:
 
 
 def record_mla(target: Target) -> list[Call]:
-    from vllm.attention.ops import triton_mla
+    from vllm.attention.ops import triton_mla, triton_mla_decode
+    from vllm.attention.ops import triton_mla_decode_kernels as dkern
     from vllm.attention.ops import triton_mla_kernels as kern
     from vllm.attention.ops.mla_attention import LatentFormat
 
     calls: list[Call] = []
     rec = (Recorder("mla_split", kern.mla_split_kernel, calls),
            Recorder("mla_combine", kern.mla_combine_kernel, calls))
+    # the dense decode's tensor-core kernel, with the launch the target's GPU gets
+    drec = (Recorder("mla_decode", dkern.mla_decode_mma_kernel, calls),
+            Recorder("mla_decode_combine", dkern.mla_decode_combine_kernel, calls))
     bt = torch.zeros(2, 4, dtype=torch.int32)
     req = torch.tensor([0, 1], dtype=torch.int32)
     pos = torch.tensor([30, 100], dtype=torch.int32)
-    with patched(triton_mla, _kernels=lambda interp: rec, _interpreting=lambda: False):
+    with as_gpu(target.gpu), \
+            patched(triton_mla, _kernels=lambda interp: rec, _interpreting=lambda: False), \
+            patched(triton_mla_decode, _kernels=lambda interp: drec,
+                    _interpreting=lambda: False,
+                    _device_facts=lambda device: (132, target.gpu)):
         for cdt, storage, width in (("auto", torch.bfloat16, 576),
                                     ("fp8", torch.float8_e4m3fn, 576),
                                     ("fp8_ds_mla", torch.uint8, 656)):
@@ -389,9 +400,6 @@ KNOWN_GAPS: tuple[tuple[str, str, str, str], ...] = (
     ("sm_80", "paged", "type fp8e4nv not supported",
      "paged attention reads E4M3 caches as tl.float8e4nv, which Triton 3.6 has only for "
      "sm_89+ (vllm/attention/ops/triton_paged_kernels.py)"),
-    ("sm_80", "mla", "type fp8e4nv not supported",
-     "MLA decode reads E4M3 latents as tl.float8e4nv, which Triton 3.6 has only for sm_89+ "
-     "(vllm/attention/ops/triton_mla_kernels.py)"),
 )
 """``(target, group, error text, why)``: launches known not to compile there, reported as
 gaps (not failures) until their owners close them; ``docs/kernels.md`` lists them."""

@@ -39,7 +39,7 @@ def compile_(fn, signature, consts):
     asm = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
     assert "cubin" in asm, list(asm)
 
-base = dict(KV_LORA=512, ROPE=64, PAGE=64, TILE=128, FP8_E5M2=False,
+base = dict(KV_LORA=512, ROPE=64, PAGE=64, TILE=128, FP8_E5M2=False, HW_FP8=True,
             DYNAMIC_LOOP=True, MAX_ITERS=0, BLOCK_H=16, BLOCK_N=16, BLOCK_L=512, BLOCK_R=64)
 variants = [  # format, sparse, q dtype, cache dtype
     (0, False, "bf16", "bf16"),   # native cache, dense, half dots
@@ -80,6 +80,7 @@ from triton.runtime.jit import create_function_from_signature
 from vllm.attention.ops import triton_mla_decode as tmd
 from vllm.attention.ops import triton_mla_decode_kernels as kern
 from vllm.attention.ops.mla_attention import LatentFormat
+from vllm.attention.writers.kernels.device import GPU
 
 SMEM = {80: 166912, 90: 232448, 100: 232448}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -109,7 +110,7 @@ tmd._kernels = lambda interp: (Rec(kern.mla_decode_mma_kernel), Rec(kern.mla_dec
 tmd._interpreting = lambda: False
 failures = 0
 for cap in (80, 90, 100):
-    tmd._device_facts = lambda dev, cap=cap: (132, (cap // 10, cap % 10))
+    tmd._device_facts = lambda dev, cap=cap: (132, GPU("nvidia", (cap // 10, cap % 10)))
     for cdt, storage in (("auto", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
         for splits in ((1, 4) if cap == 90 and cdt == "auto" else (4,)):
             calls.clear()

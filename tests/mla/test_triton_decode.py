@@ -144,7 +144,7 @@ def test_decode_matches_float64(case: Case, tma_calls: list[bool],
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.attention.ops import triton_mla_decode as tmd
 
-    monkeypatch.setattr(tmd, "_hw_fp8", lambda capability: case.hw_fp8)
+    monkeypatch.setattr(tmd, "_hw_fp8", lambda gpu: case.hw_fp8)
     fmt, cache, bt, req, pos, q = _inputs(case)
     before = cache.view(torch.uint8).clone()
     cfg = tmd.MLADecodeConfig(block_h=16, block_n=case.block_n, num_warps=4, num_stages=1,
@@ -186,7 +186,7 @@ def test_e4m3_every_code_widens_exactly(hw_fp8: bool, monkeypatch: pytest.Monkey
     hardware path)."""
     from vllm.attention.ops import triton_mla_decode as tmd
 
-    monkeypatch.setattr(tmd, "_hw_fp8", lambda capability: hw_fp8)
+    monkeypatch.setattr(tmd, "_hw_fp8", lambda gpu: hw_fp8)
     L, R, page = 32, 16, 16
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     finite = codes[(codes & 0x7F) != 0x7F]  # 254 codes

@@ -21,6 +21,7 @@ import torch
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.layouts import FP8_DS_MLA_TILE
 from vllm.attention.ops.mla_attention import LatentFormat
+from vllm.attention.writers.kernels.device import hardware_fp8
 
 _NATIVE, _FP8, _FP8_DS = 0, 1, 2
 _BLOCK_N = 16
@@ -97,7 +98,8 @@ def _launch(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
         lse_part.stride(1),
         n, topk.shape[1] if topk is not None else 0, scale, splits,
         KV_LORA=L, ROPE=R, PAGE=kv_cache.shape[1], TILE=FP8_DS_MLA_TILE,
-        FORMAT=code, FP8_E5M2=kv_cache.dtype == torch.float8_e5m2, IS_SPARSE=topk is not None,
+        FORMAT=code, FP8_E5M2=kv_cache.dtype == torch.float8_e5m2,
+        HW_FP8=hardware_fp8(q.device), IS_SPARSE=topk is not None,
         HALF_DOT=half, DYNAMIC_LOOP=not interp,
         MAX_ITERS=-(-(-(-num_keys // splits)) // _BLOCK_N) + 1 if interp else 0,
         BLOCK_H=block_h, BLOCK_N=_BLOCK_N, BLOCK_L=_next_pow2(L), BLOCK_R=_next_pow2(R),

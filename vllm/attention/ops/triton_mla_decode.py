@@ -23,6 +23,7 @@ import torch
 
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.mla_attention import LatentFormat
+from vllm.attention.writers.kernels.device import GPU, gpu_of
 
 MAX_SPLITS = 64
 """The most splits of one token's keys (the combine kernel unrolls over them)."""
@@ -83,18 +84,20 @@ def unsupported_reasons(fmt: LatentFormat, q_dtype: torch.dtype) -> list[str]:
     return reasons
 
 
-def default_config(q_dtype: torch.dtype,
-                   capability: tuple[int, int] | None) -> MLADecodeConfig:
+def default_config(q_dtype: torch.dtype, gpu: GPU | None) -> MLADecodeConfig:
     """Tiles that compile without register spills on sm_90 and sm_100
-    (``tools/triton_compile_check.py`` prints registers and spills of each launch;
-    ``benchmarks/tune_mla_decode.py`` sweeps the alternatives on a GPU).
+    (``tests/mla/test_triton_compile.py`` checks; ``benchmarks/tune_mla_decode.py``
+    sweeps the alternatives on a GPU).
 
-    ``capability``: the CUDA device's, None under the interpreter.
+    ``gpu``: the device's (:func:`~vllm.attention.writers.kernels.device.gpu_of`),
+    None under the interpreter.
     """
-    if capability is None or q_dtype not in _HALF:
-        # the interpreter's cost is per element, and float32 models (IEEE dots) are a
-        # correctness path: the smallest tiles tl.dot takes
+    if gpu is None or gpu.vendor != "nvidia" or q_dtype not in _HALF:
+        # the interpreter's cost is per element; float32 models (IEEE dots) are a
+        # correctness path; an MI300's 64 KiB of shared memory per CU holds no 64-head
+        # tile: the smallest tiles tl.dot takes
         return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    capability = gpu.capability
     if capability[0] == 9:
         # 64 heads (masked below 64): the M of a Hopper warpgroup MMA, which Ampere's
         # MMA would need in registers. 8 warps hold the [64, 512] float32 accumulator in
@@ -113,12 +116,17 @@ def _next_pow2(n: int) -> int:
 
 
 @functools.cache
-def _device_facts(device: torch.device) -> tuple[int, tuple[int, int] | None]:
-    """(SM count, compute capability) of a CUDA device, (1, None) elsewhere."""
-    if device.type != "cuda" or torch.version.hip is not None:
+def _device_facts(device: torch.device) -> tuple[int, GPU | None]:
+    """(multiprocessor count, GPU) of a CUDA or ROCm device, (1, None) elsewhere."""
+    gpu = gpu_of(device)
+    if gpu is None:
         return 1, None
-    props = torch.cuda.get_device_properties(device)
-    return int(props.multi_processor_count), (int(props.major), int(props.minor))
+    return int(torch.cuda.get_device_properties(device).multi_processor_count), gpu
+
+
+def _nvidia(gpu: GPU | None) -> tuple[int, int] | None:
+    """The compute capability of an NVIDIA GPU, else None."""
+    return gpu.capability if gpu is not None and gpu.vendor == "nvidia" else None
 
 
 def choose_splits(*, num_tokens: int, programs_per_split: int, num_heads: int,
@@ -155,9 +163,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _hw_fp8(capability: tuple[int, int] | None) -> bool:
-    """Whether the device converts E4M3 in hardware (sm_89+; the interpreter does)."""
-    return capability is None or capability >= (8, 9)
+def _hw_fp8(gpu: GPU | None) -> bool:
+    """Whether the kernel widens E4M3 with the hardware conversion: NVIDIA sm_89+, and
+    the interpreter's own; elsewhere (ROCm, older GPUs) in integer code."""
+    capability = _nvidia(gpu)
+    return gpu is None or (capability is not None and capability >= (8, 9))
 
 
 def _kernels(interpret: bool) -> tuple[Any, Any]:
@@ -222,8 +232,8 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     if t == 0:
         return out
     interp = _interpreting()
-    num_sms, capability = (1, None) if interp else _device_facts(q_lat.device)
-    cfg = config or default_config(q_lat.dtype, capability)
+    num_sms, gpu = (1, None) if interp else _device_facts(q_lat.device)
+    cfg = config or default_config(q_lat.dtype, gpu)
     block_l = _next_pow2(L)
     chunks = 1 if block_l <= _MAX_BOX else 2
     lc = block_l // chunks
@@ -259,7 +269,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                         lse_part.stride(0), lse_part.stride(1))
     page = int(kv_cache.shape[1])
     tile_in_page = page % cfg.block_n == 0
-    tma_ok = cfg.tma and tile_in_page and (interp or (capability or (0, 0)) >= (9, 0))
+    tma_ok = cfg.tma and tile_in_page and (interp or (_nvidia(gpu) or (0, 0)) >= (9, 0))
     descs = _descriptors(cache, cfg.block_n, lc, block_r) if tma_ok else None
     lat_desc, pe_desc = descs if descs is not None else (cache, cache)
     max_iters = -(-(-(-max_seq_len // splits)) // cfg.block_n) + 1 if interp else 0
@@ -269,7 +279,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), bt.stride(0),
         out.stride(0), out.stride(1), *part_strides,
         n, scale, splits,
-        KV_LORA=L, ROPE=R, PAGE=page, FP8=fp8, HW_FP8=_hw_fp8(capability),
+        KV_LORA=L, ROPE=R, PAGE=page, FP8=fp8, HW_FP8=_hw_fp8(gpu),
         FP32_DOT=_dot_fp32(q.dtype, interp), SINGLE=single, USE_TMA=descs is not None,
         TILE_IN_PAGE=tile_in_page, DYNAMIC_LOOP=not interp, MAX_ITERS=max_iters,
         BLOCK_H=block_h, BLOCK_N=cfg.block_n, LAT_CHUNKS=chunks, V_SPLIT=v_split, LC=lc,

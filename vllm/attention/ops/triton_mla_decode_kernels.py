@@ -11,38 +11,26 @@ column chunks of ``LC`` (one TMA box is at most 256 wide). The launcher is
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import triton
 import triton.language as tl
 
+from vllm.attention.ops.triton_loader import load_kernel_module
+
 jit: Callable[[Callable[..., Any]], Any] = triton.jit
 """``triton.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
 
+# the helper module in this module's mode: the loader imports an interpreted copy of
+# this file with TRITON_INTERPRET=1 set
+widen_fp8: Any = load_kernel_module(
+    "vllm.attention.ops.triton_fp8_kernels",
+    interpret=os.environ.get("TRITON_INTERPRET", "0") == "1").widen_fp8
+
 # softmax in base 2: exp2 is one instruction, exp is a multiply and an exp2
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-
-
-@jit
-def _widen(x: tl.tensor, FP8: tl.constexpr, HW_FP8: tl.constexpr,
-           DOT: tl.constexpr) -> tl.tensor:
-    """Cache values (fp8 as raw bytes) in the dot dtype, unscaled. Every fp8 value is
-    exact in float16 and in bfloat16, so the widening rounds nothing."""
-    if FP8 == 1:
-        if HW_FP8:
-            x = x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        else:
-            # no E4M3 conversion before sm_89: place sign, exponent and mantissa in a
-            # float16 (exponent bias 15, not 7) and rescale by 2**8, exact for
-            # subnormals too; the all-ones magnitude is E4M3's NaN
-            b = x.to(tl.uint16)
-            h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
-            x = tl.where((b & 0x7F) == 0x7F, float("nan"), h * 256.0)
-    elif FP8 == 2:
-        # E5M2 is the upper byte of a float16
-        x = (x.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
-    return x.to(DOT)
 
 
 @jit
@@ -92,8 +80,12 @@ def _load_tile(
                           mask=valid[:, None] & (col_b + offs_c < KV_LORA)[None, :], other=0)
         k_pe = tl.load(rows + KV_LORA + offs_r[None, :],
                        mask=valid[:, None] & (offs_r < ROPE)[None, :], other=0)
-    return (_widen(k_a, FP8, HW_FP8, DOT), _widen(k_b, FP8, HW_FP8, DOT),
-            _widen(k_pe, FP8, HW_FP8, DOT))
+    if FP8 != 0:
+        # exact in float16 (and so in bfloat16); the dots run on the stored values
+        k_a = widen_fp8(k_a, FP8 == 2, HW_FP8)
+        k_b = widen_fp8(k_b, FP8 == 2, HW_FP8)
+        k_pe = widen_fp8(k_pe, FP8 == 2, HW_FP8)
+    return k_a.to(DOT), k_b.to(DOT), k_pe.to(DOT)
 
 
 @jit

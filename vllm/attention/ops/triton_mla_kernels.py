@@ -6,14 +6,23 @@ module-level for ``@triton.jit`` to resolve the helper they call.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import triton
 import triton.language as tl
 
+from vllm.attention.ops.triton_loader import load_kernel_module
+
 jit: Callable[[Callable[..., Any]], Any] = triton.jit
 """``triton.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
+
+# the helper module in this module's mode: the loader imports an interpreted copy of
+# this file with TRITON_INTERPRET=1 set
+widen_fp8: Any = load_kernel_module(
+    "vllm.attention.ops.triton_fp8_kernels",
+    interpret=os.environ.get("TRITON_INTERPRET", "0") == "1").widen_fp8
 
 @jit
 def mla_key_block(
@@ -24,7 +33,8 @@ def mla_key_block(
     stride_cb: tl.tensor, stride_cs: tl.tensor, stride_bt: tl.tensor, stride_kt: tl.tensor,
     sm_scale: tl.tensor,
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
-    FORMAT: tl.constexpr, FP8_E5M2: tl.constexpr, IS_SPARSE: tl.constexpr,
+    FORMAT: tl.constexpr, FP8_E5M2: tl.constexpr, HW_FP8: tl.constexpr,
+    IS_SPARSE: tl.constexpr,
     HALF_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ) -> tl.tensor:  # (m_i, l_i, acc)
@@ -51,7 +61,7 @@ def mla_key_block(
         tile_scale = tl.load(
             C_SCALE + row[:, None] // 4 + KV_LORA // 4 + offs_l[None, :] // TILE,
             mask=lat_mask, other=0.0)
-        k_lat = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tile_scale
+        k_lat = widen_fp8(raw, False, HW_FP8).to(tl.float32) * tile_scale
         rope_at = (KV_LORA + 4 * (KV_LORA // TILE)) // 2
         k_pe = tl.load(C_ROPE + row[:, None] // 2 + rope_at + offs_r[None, :],
                        mask=rope_mask, other=0.0).to(tl.float32)
@@ -59,12 +69,8 @@ def mla_key_block(
         raw = tl.load(C + row[:, None] + offs_l[None, :], mask=lat_mask, other=0)
         raw_pe = tl.load(C + row[:, None] + KV_LORA + offs_r[None, :], mask=rope_mask,
                          other=0)
-        if FP8_E5M2:
-            k_lat = raw.to(tl.float8e5, bitcast=True).to(tl.float32) * k_scale
-            k_pe = raw_pe.to(tl.float8e5, bitcast=True).to(tl.float32) * k_scale
-        else:
-            k_lat = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_scale
-            k_pe = raw_pe.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_scale
+        k_lat = widen_fp8(raw, FP8_E5M2, HW_FP8).to(tl.float32) * k_scale
+        k_pe = widen_fp8(raw_pe, FP8_E5M2, HW_FP8).to(tl.float32) * k_scale
     else:
         k_lat = tl.load(C + row[:, None] + offs_l[None, :], mask=lat_mask,
                         other=0.0).to(tl.float32)
@@ -102,7 +108,8 @@ def mla_split_kernel(
     stride_lh: tl.tensor,
     num_heads: tl.tensor, n_topk: tl.tensor, sm_scale: tl.tensor, num_splits: tl.tensor,
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
-    FORMAT: tl.constexpr, FP8_E5M2: tl.constexpr, IS_SPARSE: tl.constexpr,
+    FORMAT: tl.constexpr, FP8_E5M2: tl.constexpr, HW_FP8: tl.constexpr,
+    IS_SPARSE: tl.constexpr,
     HALF_DOT: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
     MAX_ITERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -145,7 +152,7 @@ def mla_split_kernel(
             m_i, l_i, acc = mla_key_block(
                 n0, end, m_i, l_i, acc, q_nope, q_pe, k_scale, t, req, pos_q,
                 C, C_SCALE, C_ROPE, BT, TOPK, stride_cb, stride_cs, stride_bt, stride_kt,
-                sm_scale, KV_LORA, ROPE, PAGE, TILE, FORMAT, FP8_E5M2,
+                sm_scale, KV_LORA, ROPE, PAGE, TILE, FORMAT, FP8_E5M2, HW_FP8,
                 IS_SPARSE, HALF_DOT, BLOCK_N, BLOCK_L, BLOCK_R)
     else:
         # the interpreter cannot bound a loop by a tensor: run the host's upper
@@ -155,7 +162,7 @@ def mla_split_kernel(
                 start + it * BLOCK_N, end, m_i, l_i, acc, q_nope, q_pe, k_scale, t, req,
                 pos_q, C, C_SCALE, C_ROPE, BT, TOPK, stride_cb, stride_cs, stride_bt,
                 stride_kt, sm_scale, KV_LORA, ROPE, PAGE, TILE, FORMAT,
-                FP8_E5M2, IS_SPARSE, HALF_DOT, BLOCK_N, BLOCK_L, BLOCK_R)
+                FP8_E5M2, HW_FP8, IS_SPARSE, HALF_DOT, BLOCK_N, BLOCK_L, BLOCK_R)
     seen = l_i > 0.0
     denom = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, m_i + tl.log(denom), float("-inf"))
