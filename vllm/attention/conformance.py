@@ -416,6 +416,48 @@ def _check_compute(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) 
     return failures
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one configuration's layer step leaves behind, to compare two backends."""
+
+    cache: torch.Tensor
+    """Every byte of the cache after the step: uint8, on the host."""
+    output: torch.Tensor
+    """The layer's output ``[num_tokens, num_heads, head_size_v]``, on the host."""
+
+
+def run_layer_step(backend: AnyBackend, cfg: CheckConfig, *, seed: int = 0) -> StepResult:
+    """The compute check's batch as a runner drives it: the context written through the
+    layer's writer, then one :class:`Attention` call (write, then compute) for the new
+    tokens. The inputs and the starting cache bytes depend only on ``cfg``, ``seed`` and
+    the backend's cache shape, so two backends of one layout get identical steps (the
+    adapted original and its migration, for ``vllm-attn migrate --check``)."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = cfg.block_size
+    causal = cfg.attn_type is AttentionType.DECODER
+    query_lens, context_lens = ([bs + 3, 1, 7, 1, 2], [0, 2 * bs + 1, bs, bs - 1, 3 * bs + 5]) \
+        if causal else ([bs + 3, 5, 2 * bs + 1], [0, 0, 0])
+    batch = make_paged_batch(query_lens, context_lens, block_size=bs, device=cfg.device,
+                             generator=gen, causal=causal)
+    cache = _random_cache(backend, cfg, batch.num_blocks, gen)
+    layer = _make_layer(backend, cfg, gen)
+    layer.bind_kv_cache(cache, bs)
+    dv = cfg.head_size_v or cfg.head_size
+    n_ctx, n_new = int(batch.context_slots.numel()), int(batch.new_slots.numel())
+    if n_ctx:
+        layer.kv_cache_writer.write(_randn((n_ctx, cfg.num_kv_heads, cfg.head_size), cfg, gen),
+                                    _randn((n_ctx, cfg.num_kv_heads, dv), cfg, gen), cache,
+                                    batch.context_slots, layer.kv_quant)
+    q = _randn((n_new, cfg.num_heads, cfg.head_size), cfg, gen)
+    k = _randn((n_new, cfg.num_kv_heads, cfg.head_size), cfg, gen)
+    v = _randn((n_new, cfg.num_kv_heads, dv), cfg, gen)
+    meta = backend.get_builder_cls()(layer.spec, torch.device(cfg.device)).build(batch.common)
+    name = layer.layer_name
+    with set_forward_context(attn_metadata={name: meta}, slot_mapping={name: batch.new_slots}):
+        out = layer(q, k, v)
+    return StepResult(cache=raw_bytes(cache).cpu().clone(), output=out.cpu())
+
+
 def _torch_ref() -> AnyBackend:
     from vllm.attention.backends.torch_ref import TorchRefBackend
 
