@@ -2,7 +2,8 @@
 
 Vendor kernels: flash-attn-4's ``flash_attn.cute`` (Hopper / Blackwell, page
 table with ``seqused_k``), then flash-attn 2 (pages of 256k tokens). Calls they
-do not take (fp8 caches, other block sizes, fp32) run Triton on CUDA, torch
+do not take (fp8 caches, other block sizes, fp32) run the portable path on CUDA
+(torch's flash varlen kernel for the prefills it takes, else Triton), torch
 elsewhere. Paths and limits: ``docs/backends.md``.
 """
 

@@ -1,10 +1,11 @@
 """FLEX_ATTENTION: PyTorch's ``flex_attention`` over a block-interleaved cache.
 
 Logical ``(nb, 2, bs, H, D)`` with physical order ``(nb, bs, 2, H, D)``: one block
-holds, token by token, that token's K and V rows side by side. On devices where
-``flex_attention`` runs, the page table becomes a block mask
-(:mod:`vllm.attention.ops.flex_paged`); elsewhere the torch path reads the same
-layout. ``auto`` caches only.
+holds, token by token, that token's K and V rows side by side, so its block and token
+axes merge into one slot axis that compiled ``flex_attention`` reads in place: on
+CUDA, decode batches attend over the cache through their block-table rows, other
+batches over their gathered positions (:mod:`vllm.attention.ops.flex_paged`);
+elsewhere the torch path reads the same layout. ``auto`` caches only.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@
   CLI and registry report.
 * :class:`StandardImpl`: compute over the backend's own layout. Per call it runs
   the first vendor kernel that can run here and takes the call, else the
-  portable path (Triton or flex_attention on CUDA, torch anywhere), and records
-  which one ran in ``last_compute_path``.
+  portable path (on CUDA: torch's flash varlen kernel for prefills, Triton, or
+  compiled flex_attention; torch anywhere), and records which one ran in
+  ``last_compute_path``.
 
 Batch metadata: each backend has its own frozen dataclass, a subclass of
 :class:`~vllm.attention.backend.PagedAttentionMetadata` (plus what its kernel

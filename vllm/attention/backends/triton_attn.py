@@ -3,7 +3,8 @@
 ``(nb, 2, bs, H, D)`` for ``auto`` and the scaled fp8 formats; the per-token-head
 formats (``int8_per_token_head``, ``fp8_per_token_head``) use
 ``KVCacheLayout.PER_TOKEN_HEAD_QUANT``, ``(nb, 2, bs, H, D + 4)`` bytes with a float32
-scale after each (token, head) row. Triton on CUDA, torch elsewhere.
+scale after each (token, head) row. Triton on CUDA (compute-heavy fp16/bf16 prefills
+over ``auto`` caches: torch's flash varlen kernel), torch elsewhere.
 """
 
 from __future__ import annotations

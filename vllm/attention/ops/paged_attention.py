@@ -1,10 +1,12 @@
 """Portable paged attention: the torch path, tree masks, and path selection.
 
 The nine standard backends run this when their vendor kernel is absent:
-:func:`paged_attention` picks the Triton kernel on CUDA when Triton imports, else
-:func:`paged_attention_torch`, which gathers each request's K/V through the
-layout (:class:`~vllm.attention.ops.paged_kv.PagedKV`) and runs the reference
-attention in float32.
+:func:`paged_attention` runs the path :func:`choose_path` picks: on CUDA torch's flash
+varlen kernel for compute-heavy prefills it takes
+(:mod:`vllm.attention.ops.flash_varlen`) and the Triton kernel for the rest, else
+:func:`paged_attention_torch`, which gathers each request's K/V through the layout
+(:class:`~vllm.attention.ops.paged_kv.PagedKV`) and runs the reference attention in
+float32.
 
 Batch convention (as :class:`~vllm.attention.backend.CommonAttentionMetadata`):
 request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``, which
