@@ -58,7 +58,12 @@ class Case:
 
     @property
     def uses_tma(self) -> bool:
-        return self.tma and self.page % self.block_n == 0
+        """TMA loads whole tiles inside one page; the launcher halves ``block_n`` (down
+        to 16) until a page holds whole tiles."""
+        bn = self.block_n
+        while self.page % bn and bn > 16:
+            bn //= 2
+        return self.tma and self.page % bn == 0
 
 
 CASES = [
@@ -68,6 +73,7 @@ CASES = [
     Case("fp8", torch.float16, 32, 16, 2, 16, 2, hw_fp8=False),
     Case("fp8_e5m2", torch.bfloat16, 32, 16, 2, 32, 2, block_n=32),
     Case("auto", torch.float16, 32, 16, 2, 24, 2),            # tiles cross pages
+    Case("auto", torch.bfloat16, 32, 16, 3, 48, 3, block_n=64),  # 48-row pages: tiles of 16
     Case("auto", torch.bfloat16, 32, 16, 2, 16, 4, tma=False),
     Case("auto", torch.bfloat16, 512, 64, 2, 16, 2),          # two latent chunks
     Case("fp8", torch.bfloat16, 512, 64, 2, 16, 1, v_split=2),

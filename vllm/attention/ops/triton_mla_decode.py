@@ -240,6 +240,12 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     block_r = _next_pow2(R)
     v_split = cfg.v_split if chunks == 2 else 1
     block_h = cfg.block_h
+    page = int(kv_cache.shape[1])
+    # a tile inside one page takes one block-table entry (and TMA); pages of 16, 32 or 48
+    # rows get tiles of 16 or 32
+    block_n = cfg.block_n
+    while page % block_n and block_n > 16:
+        block_n //= 2
     head_tiles = -(-n // block_h)
     splits = num_splits or cfg.num_splits
     if splits is None:
@@ -248,7 +254,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         splits = choose_splits(num_tokens=t, programs_per_split=head_tiles * v_split,
                                num_heads=n, kv_lora_rank=L, max_seq_len=max_seq_len,
                                row_bytes=(L + R) * kv_cache.element_size(),
-                               block_n=cfg.block_n, slots=slots)
+                               block_n=block_n, slots=slots)
     if not 1 <= splits <= MAX_SPLITS:
         raise InvalidArgumentError("num_splits", splits, f"1..{MAX_SPLITS}")
     decode_kernel, combine_kernel = _kernels(interp)
@@ -267,12 +273,11 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         lse_part = torch.empty(t, n, splits, dtype=torch.float32, device=q.device)
         part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2),
                         lse_part.stride(0), lse_part.stride(1))
-    page = int(kv_cache.shape[1])
-    tile_in_page = page % cfg.block_n == 0
+    tile_in_page = page % block_n == 0
     tma_ok = cfg.tma and tile_in_page and (interp or (_nvidia(gpu) or (0, 0)) >= (9, 0))
-    descs = _descriptors(cache, cfg.block_n, lc, block_r) if tma_ok else None
+    descs = _descriptors(cache, block_n, lc, block_r) if tma_ok else None
     lat_desc, pe_desc = descs if descs is not None else (cache, cache)
-    max_iters = -(-(-(-max_seq_len // splits)) // cfg.block_n) + 1 if interp else 0
+    max_iters = -(-(-(-max_seq_len // splits)) // block_n) + 1 if interp else 0
     decode_kernel[(head_tiles * v_split, splits, t)](
         q, lat_desc, pe_desc, cache, bt, req, pos,
         fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,
@@ -282,7 +287,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         KV_LORA=L, ROPE=R, PAGE=page, FP8=fp8, HW_FP8=_hw_fp8(gpu),
         FP32_DOT=_dot_fp32(q.dtype, interp), SINGLE=single, USE_TMA=descs is not None,
         TILE_IN_PAGE=tile_in_page, DYNAMIC_LOOP=not interp, MAX_ITERS=max_iters,
-        BLOCK_H=block_h, BLOCK_N=cfg.block_n, LAT_CHUNKS=chunks, V_SPLIT=v_split, LC=lc,
+        BLOCK_H=block_h, BLOCK_N=block_n, LAT_CHUNKS=chunks, V_SPLIT=v_split, LC=lc,
         BLOCK_R=block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not single:
