@@ -236,10 +236,10 @@ def paged_attention_flash_varlen(
     q = query[:num_tokens]
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = output[:num_tokens]
-    direct = out.stride(-1) == 1 and out.stride(1) == out.shape[2]
-    dst = out if direct else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-    run(q, k, v, cu_q=batch.query_start_loc.to(torch.int32), cu_k=cu_k,
-        seqused_k=batch.seq_lens.to(torch.int32), max_q=batch.max_query_len,
+    direct = out.dtype == q.dtype and out.stride(-1) == 1 and out.stride(1) == out.shape[2]
+    dst = out if direct else torch.empty(out.shape, dtype=q.dtype, device=out.device)
+    run(q, k, v, cu_q=batch.query_start_loc.to(torch.int32).contiguous(), cu_k=cu_k,
+        seqused_k=batch.seq_lens.to(torch.int32).contiguous(), max_q=batch.max_query_len,
         max_k=max(batch.max_seq_len, 1), causal=causal, scale=scale,
         window_left=None if sliding_window is None else sliding_window - 1, out=dst)
     if not direct:
