@@ -3,6 +3,7 @@
   vllm-attn backends           the registry as a table (status, layout, paths, why not)
   vllm-attn check [NAME ...]   the conformance kit; exit 1 on any failure
   vllm-attn generate ...       serve tokens through the paged-KV runner
+  vllm-attn migrate PATH       rewrite a legacy backend module into the new API
 """
 
 from __future__ import annotations
@@ -233,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_generate_parser(sub, device_type=available_device)
+    from vllm.migrate.command import add_migrate_parser
+
+    add_migrate_parser(sub, device_type=parse_device)
     return parser
 
 

@@ -3,6 +3,7 @@ as class data, classmethods naming its pieces, and the writer of its layout."""
 
 from __future__ import annotations
 
+import textwrap
 from typing import Final
 
 import libcst as cst
@@ -13,6 +14,7 @@ from vllm.migrate.declarations import CONSUMED, Declarations, size_spec_code, so
 from vllm.migrate.literal import NOT_LITERAL, Evaluator
 from vllm.migrate.metadata import _set_base
 from vllm.migrate.plan import Plan, statements_from
+from vllm.migrate.report import MARKER_WIDTH
 
 DEFAULT_HOOKS: Final = {
     "is_mla": False, "is_sparse": False, "is_ssm": False, "supports_sink": False,
@@ -36,31 +38,41 @@ HOOK_ADVICE: Final = {
 }
 
 
+def _declare(name: str, kind: str, value: str) -> str:
+    """``name: ClassVar[kind] = value`` in a class body, its call's arguments on a line
+    of their own when it is too long."""
+    one = f"    {name}: ClassVar[{kind}] = {value}\n"
+    if len(one) <= 100 or not value.endswith(")") or "(" not in value:
+        return one
+    head, _, inner = value[:-1].partition("(")
+    return f"    {name}: ClassVar[{kind}] = {head}(\n        {inner}\n    )\n"
+
+
 def _declaration_lines(d: Declarations) -> str:
     lines = []
     if d.name is not None:
-        lines.append(f'    name: ClassVar[str] = "{d.name}"\n')
-    lines.append(f"    kv_cache_layout: ClassVar[KVCacheLayout] = KVCacheLayout.{d.layout.name}\n")
+        lines.append(_declare("name", "str", f'"{d.name}"'))
+    lines.append(_declare("kv_cache_layout", "KVCacheLayout", f"KVCacheLayout.{d.layout.name}"))
     if d.supported_dtypes is not None:
         dtypes = ", ".join(f"torch.{n}" for n in sorted_dtypes(d.supported_dtypes))
-        lines.append("    supported_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(\n"
-                     f"        {{{dtypes}}}\n    )\n")
+        lines.append(_declare("supported_dtypes", "frozenset[torch.dtype]",
+                              f"frozenset({{{dtypes}}})"))
     if d.supported_kv_cache_dtypes is not None:
         caches = ", ".join(f'"{c}"' for c in d.supported_kv_cache_dtypes)
-        lines.append("    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = "
-                     f"frozenset({{{caches}}})\n")
+        lines.append(_declare("supported_kv_cache_dtypes", "frozenset[KVCacheDType]",
+                              f"frozenset({{{caches}}})"))
     if d.block_sizes is not None:
-        lines.append(f"    block_sizes: ClassVar[SizeSpec] = {size_spec_code(d.block_sizes)}\n")
+        lines.append(_declare("block_sizes", "SizeSpec", size_spec_code(d.block_sizes)))
     if d.head_sizes is not None:
-        lines.append(f"    head_sizes: ClassVar[SizeSpec] = {size_spec_code(d.head_sizes)}\n")
+        lines.append(_declare("head_sizes", "SizeSpec", size_spec_code(d.head_sizes)))
     if d.attention_types is not None and d.attention_types != (AttentionType.DECODER,):
         types = ", ".join(f"AttentionType.{t.name}" for t in d.attention_types)
-        lines.append("    attention_types: ClassVar[frozenset[AttentionType]] = frozenset(\n"
-                     f"        {{{types}}}\n    )\n")
+        lines.append(_declare("attention_types", "frozenset[AttentionType]",
+                              f"frozenset({{{types}}})"))
     if d.supports_sliding_window is False:
-        lines.append("    supports_sliding_window: ClassVar[bool] = False\n")
+        lines.append(_declare("supports_sliding_window", "bool", "False"))
     if d.supports_logits_soft_cap is False:
-        lines.append("    supports_logits_soft_cap: ClassVar[bool] = False\n")
+        lines.append(_declare("supports_logits_soft_cap", "bool", "False"))
     return "".join(lines)
 
 
@@ -151,7 +163,8 @@ def rewrite_backend(plan: Plan, pieces: Pieces, decl: Declarations, layout_note:
                                             "or delete it"))
     declarations = _declaration_lines(decl)
     if layout_note:
-        declarations = f"    # {layout_note}\n" + declarations
+        note = textwrap.wrap(layout_note, width=MARKER_WIDTH)
+        declarations = "".join(f"    # {line}\n" for line in note) + declarations
     new_decl = statements_from(declarations)
     new_methods = statements_from(_piece_methods(pieces))
     if decl.name is None:

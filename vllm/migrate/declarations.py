@@ -333,39 +333,66 @@ def _refusal_ifs(fn: cst.FunctionDef) -> list[cst.If]:
     return found
 
 
+def _self_from_params(init: cst.FunctionDef, names: list[str]) -> dict[str, str]:
+    """``self.x = <param>`` assignments of ``__init__``: ``"self.x"`` -> the parameter."""
+    found: dict[str, str] = {}
+    for stmt in function_body(init):
+        if isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(
+                        small.value, cst.Name) and small.value.value in names:
+                    target = small.targets[0].target
+                    if isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name) \
+                            and target.value.value == "self":
+                        found[f"self.{target.attr.value}"] = small.value.value
+    return found
+
+
 def _impl_refusals(info: ModuleInfo, impl: ClassInfo, decl: Declarations) -> None:
     """Fold the impl's literal refusals (sliding window, soft cap, attention types, cache
-    dtypes) into the declarations, as the adapter probes them."""
+    dtypes) into the declarations, as the adapter probes them. A refusal that cannot
+    trigger for anything the backend declares goes too; one that is not literal for a
+    declared configuration stays, marked."""
     init = impl.methods.get("__init__")
     if init is None:
         return
     names = [p.name.value for p in params(init)[1:]]
+    aliases = _self_from_params(init, names)
     ev = Evaluator(info)
 
     def refuses(test: cst.BaseExpression, **change: object) -> object:
         env = {n: IMPL_DEFAULTS.get(n, None) for n in names}
         env.update({k: v for k, v in change.items() if k in env})
+        env.update({alias: env[param] for alias, param in aliases.items()})
         return ev.expr(test, env)
 
     for stmt in _refusal_ifs(init):
         base = refuses(stmt.test)
-        window = refuses(stmt.test, sliding_window=21)
-        cap = refuses(stmt.test, logits_soft_cap=7.5)
+        variations: dict[str, tuple[bool, object]] = {  # name: (declared?, refuses?)
+            "sliding_window": (decl.supports_sliding_window is not False,
+                               refuses(stmt.test, sliding_window=21)),
+            "logits_soft_cap": (decl.supports_logits_soft_cap is not False,
+                                refuses(stmt.test, logits_soft_cap=7.5)),
+        }
         types = {t: refuses(stmt.test, attn_type=t.value) for t in AttentionType}
         caches = {c: refuses(stmt.test, kv_cache_dtype=c) for c in KV_CACHE_DTYPES}
-        values = [base, window, cap, *types.values(), *caches.values()]
-        if not all(isinstance(v, bool) for v in values) or base:
+        declared_types = set(decl.attention_types or AttentionType)
+        declared_caches = set(decl.supported_kv_cache_dtypes or KV_CACHE_DTYPES)
+        relevant = [base, *(v for d, v in variations.values() if d),
+                    *(v for t, v in types.items() if t in declared_types),
+                    *(v for c, v in caches.items() if c in declared_caches)]
+        if not all(isinstance(v, bool) for v in relevant) or base:
             decl.refusals_left.append(stmt)
             continue
-        if window:
+        if variations["sliding_window"][1] is True:
             decl.supports_sliding_window = False
-        if cap:
+        if variations["logits_soft_cap"][1] is True:
             decl.supports_logits_soft_cap = False
         if decl.attention_types is not None:
-            decl.attention_types = tuple(t for t in decl.attention_types if not types[t])
+            decl.attention_types = tuple(t for t in decl.attention_types if types[t] is not True)
         if decl.supported_kv_cache_dtypes is not None:
             decl.supported_kv_cache_dtypes = tuple(
-                c for c in decl.supported_kv_cache_dtypes if not caches.get(c, False))  # type: ignore[call-overload]
+                c for c in decl.supported_kv_cache_dtypes if caches.get(c) is not True)  # type: ignore[call-overload]
         decl.refusals_folded.append(stmt)
 
 

@@ -3,6 +3,7 @@ module needs. Runs after the other rewrites, on the names the module still uses.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
@@ -56,6 +57,8 @@ def used_names(module: cst.Module) -> set[str]:
 
 @dataclass
 class ImportPlan:
+    defined: dict[str, str] = field(default_factory=dict)
+    """Legacy helpers the migrated module defines itself: name -> its definition."""
     needed: dict[str, set[str]] = field(default_factory=dict)
     """Module -> names the migrated code uses from it (added where missing)."""
     steps: list[ManualStep] = field(default_factory=list)
@@ -112,7 +115,8 @@ class ImportRewriter(cst.CSTTransformer):
                     if not legacy:
                         names.append(alias)
                         continue
-                    if local not in self.used:
+                    if local not in self.used or (local in self.plan.defined
+                                                  and alias.asname is None):
                         continue
                     new = NEW_API.get(name)
                     if new is not None and alias.asname is None:
@@ -157,7 +161,8 @@ class ImportRewriter(cst.CSTTransformer):
                 "your own")
             self.plan.steps.append(step)
             result = result.with_changes(leading_lines=[
-                *result.leading_lines, cst.EmptyLine(comment=cst.Comment(step.comment))])
+                *result.leading_lines,
+                *(cst.EmptyLine(comment=cst.Comment(line)) for line in step.comment)])
         return result
 
     def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
@@ -176,13 +181,29 @@ class ImportRewriter(cst.CSTTransformer):
                 stmt = cst.parse_statement(f"import {module}\n")
                 assert isinstance(stmt, cst.SimpleStatementLine)
                 additions.append(stmt)
+        if self.plan.defined:
+            at = _insert_at(body, "~")  # after every import
+            two = [cst.EmptyLine(indent=False), cst.EmptyLine(indent=False)]
+            if at < len(body):
+                after = body[at]
+                lines = list(after.leading_lines)  # type: ignore[attr-defined]
+                while lines and lines[0].comment is None:
+                    lines.pop(0)
+                body[at] = after.with_changes(leading_lines=[*two, *lines])
+            for code in reversed(sorted(self.plan.defined.values())):
+                definition = cst.parse_statement(code)
+                body.insert(at, definition.with_changes(leading_lines=two))
         for stmt in additions:
             index = _insert_at(body, _statement_module(stmt))
             if index < len(body) and _statement_module(body[index]):
-                displaced = body[index]  # the new import takes its place, blank lines too
+                displaced = body[index]  # the new import takes its place and blank lines
                 assert isinstance(displaced, cst.SimpleStatementLine)
-                stmt = stmt.with_changes(leading_lines=displaced.leading_lines)
-                body[index] = displaced.with_changes(leading_lines=[])
+                lines = list(displaced.leading_lines)
+                blank = 0
+                while blank < len(lines) and lines[blank].comment is None:
+                    blank += 1
+                stmt = stmt.with_changes(leading_lines=lines[:blank])
+                body[index] = displaced.with_changes(leading_lines=lines[blank:])
             body.insert(index, stmt)
         return updated.with_changes(body=body)
 
@@ -247,25 +268,56 @@ def _statement_module(stmt: cst.BaseStatement) -> str:
     return ""
 
 
-def _insert_at(body: list[cst.BaseStatement], module: str) -> int:
-    """Where an import of ``module`` goes among the module's leading imports: before the
-    first import of the same top-level package that sorts after it, else after the last
-    one of that package, else after them all."""
-    imports: list[tuple[int, str]] = []
-    for i, stmt in enumerate(body):
-        if isinstance(stmt, cst.SimpleStatementLine) and all(
-                isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body):
-            imports.append((i, _statement_module(stmt)))
-        elif imports or not (i == 0 and is_docstring_line(stmt)):
-            break
-    if not imports:
-        return 1 if body and is_docstring_line(body[0]) else 0
+def _is_import_line(stmt: cst.BaseStatement) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and all(
+        isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body)
+
+
+def _only_imports(stmt: cst.BaseStatement) -> bool:
+    """An ``if``/``try`` at module level whose bodies only import (optional kernels)."""
+    if not isinstance(stmt, (cst.If, cst.Try)):
+        return False
+    blocks: list[cst.BaseSuite] = [stmt.body]
+    if isinstance(stmt, cst.If) and isinstance(stmt.orelse, cst.Else):
+        blocks.append(stmt.orelse.body)
+    if isinstance(stmt, cst.Try):
+        blocks.extend(h.body for h in stmt.handlers)
+    return all(isinstance(b, cst.IndentedBlock) and all(
+        _is_import_line(s) or (isinstance(s, cst.SimpleStatementLine) and all(
+            isinstance(x, cst.Pass) for x in s.body)) for s in b.body) for b in blocks)
+
+
+def _is_stdlib(module: str) -> bool:
     top = module.split(".")[0]
-    same = [(i, m) for i, m in imports if m.split(".")[0] == top]
-    for i, m in same:
-        if m > module:
-            return i
-    return same[-1][0] + 1 if same else imports[-1][0] + 1
+    return top in sys.stdlib_module_names or top == "__future__"
+
+
+def _insert_at(body: list[cst.BaseStatement], module: str) -> int:
+    """Where an import of ``module`` goes in the module's leading imports: among its
+    group (standard library, else its top-level package) in sorted order, else after
+    them. ``"~"``: after the whole import region."""
+    imports: list[tuple[int, str]] = []
+    end = 0
+    for i, stmt in enumerate(body):
+        if _is_import_line(stmt):
+            imports.append((i, _statement_module(stmt)))
+        elif not (_only_imports(stmt) or (i == 0 and is_docstring_line(stmt))):
+            break
+        end = i + 1
+    if module == "~" or not imports:
+        return end
+    if _is_stdlib(module):
+        group = [(i, m) for i, m in imports if _is_stdlib(m) and m != "__future__"]
+        if not group:
+            first_other = next((i for i, m in imports if not _is_stdlib(m)), None)
+            return first_other if first_other is not None else end
+    else:
+        top = module.split(".")[0]
+        group = [(i, m) for i, m in imports if m.split(".")[0] == top]
+        if not group:
+            return max(i for i, _ in imports) + 1
+    before = [i for i, m in group if m < module]
+    return before[-1] + 1 if before else group[0][0]
 
 
 def is_docstring_line(stmt: cst.BaseStatement) -> bool:

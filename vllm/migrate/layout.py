@@ -106,7 +106,7 @@ def infer_layout(info: ModuleInfo, backend: ClassInfo) -> LayoutFinding:
     note = None
     if other is not None and other != order:
         alt = _known().get((shape, other))
-        note = (f"the legacy stride order follows get_kv_cache_layout() (VLLM_KV_CACHE_LAYOUT);"
-                f" its default NHD is {layout.name}"
-                + (f", HND would be {alt.name}" if alt else ""))
+        note = (f"{layout.name} is the legacy stride order under get_kv_cache_layout()'s "
+                "default, NHD (VLLM_KV_CACHE_LAYOUT unset); "
+                + (f"HND would be {alt.name}" if alt else "HND is no layout of this package"))
     return LayoutFinding(layout, note)

@@ -20,7 +20,7 @@ from typing import Any, Final
 import libcst as cst
 
 from vllm.attention.types import AttentionType
-from vllm.migrate.analysis import ModuleInfo, function_body, is_docstring, params
+from vllm.migrate.analysis import ModuleInfo, dotted, function_body, is_docstring, params
 
 
 class _NotLiteral:
@@ -190,7 +190,7 @@ class Evaluator:
                 return tuple(items)
             return list(items) if isinstance(node, cst.List) else frozenset(items)
         if isinstance(node, cst.Attribute):
-            return self._attribute(node)
+            return self._attribute(node, env)
         if isinstance(node, cst.BinaryOperation):
             left, right = self._expr(node.left, env), self._expr(node.right, env)
             op = _BINARY.get(type(node.operator))
@@ -228,7 +228,10 @@ class Evaluator:
             return self._call(node, env)
         return NOT_LITERAL
 
-    def _attribute(self, node: cst.Attribute) -> object:
+    def _attribute(self, node: cst.Attribute, env: Mapping[str, object]) -> object:
+        name = dotted(node)
+        if name is not None and name in env:  # self.x, set earlier from an argument
+            return env[name]
         q = self.info.qualified(node)
         if q is None:
             return NOT_LITERAL
@@ -252,6 +255,8 @@ class Evaluator:
             return MultipleOfSize(args[0])
         if last == "get_kv_cache_layout" and not args:
             return self.kv_cache_layout
+        if last == "is_quantized_kv_cache" and len(args) == 1 and isinstance(args[0], str):
+            return args[0] not in ("auto", "bfloat16", "float16", "float32")
         if q in ("len", "list", "tuple", "frozenset", "set", "int") and len(args) == 1:
             return {"len": len, "list": list, "tuple": tuple, "frozenset": frozenset,
                     "set": frozenset, "int": int}[q](args[0])  # type: ignore[operator]

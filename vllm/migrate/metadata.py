@@ -68,10 +68,13 @@ def _dataclass_decorator(info: ModuleInfo, cls: ClassInfo) -> cst.Decorator | No
 def _mutated_fields(info: ModuleInfo, cls: ClassInfo, fields: list[str]) -> bool:
     """Whether the module assigns a field of the metadata on an object (not ``self``):
     such code needs the dataclass unfrozen."""
-    names = set(fields)
+    names = set(fields) - {"slot_mapping"}
     found = False
 
     class Visitor(cst.CSTVisitor):
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            return node.name.value not in BUILDER_HOOKS  # deleted with the migration
+
         def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
             nonlocal found
             t = node.target
@@ -403,8 +406,15 @@ def _rewrite_common_reads(plan: Plan, fn: cst.FunctionDef, aliases: set[str]) ->
         elif attr in COMMON_ABSENT:
             plan.replace(node, expression("None"))
         elif attr == "slot_mapping":
-            if not _is_slot_argument(info, node):
-                plan.mark(info.statement_of(node), "build() reads the slot mapping",
+            if _is_slot_argument(info, node):
+                continue
+            stmt = info.statement_of(node)
+            local = _assigned_local(stmt, node)
+            if local is not None and all(_is_slot_argument(info, n)
+                                         for n in _name_loads(fn, local)):
+                plan.remove.add(stmt)  # read only to hand to the metadata, which drops it
+            else:
+                plan.mark(stmt, "build() reads the slot mapping",
                           "drop it: the slot mapping reaches only the writer, through the "
                           "ForwardContext")
         elif attr not in COMMON_FIELDS:
@@ -412,6 +422,39 @@ def _rewrite_common_reads(plan: Plan, fn: cst.FunctionDef, aliases: set[str]) ->
                       f"reads {alias}.{attr}, which CommonAttentionMetadata does not have",
                       f"compute {attr} from the fields of vllm.attention."
                       "CommonAttentionMetadata")
+
+
+def _assigned_local(stmt: cst.CSTNode, value: cst.CSTNode) -> str | None:
+    """``name`` of a ``name = <value>`` statement."""
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+        small = stmt.body[0]
+        if isinstance(small, cst.Assign) and small.value is value and len(small.targets) == 1 \
+                and isinstance(small.targets[0].target, cst.Name):
+            return small.targets[0].target.value
+    return None
+
+
+def _name_loads(fn: cst.FunctionDef, name: str) -> list[cst.Name]:
+    found: list[cst.Name] = []
+
+    class Visitor(cst.CSTVisitor):
+        def visit_AssignTarget(self, node: cst.AssignTarget) -> bool:
+            return not isinstance(node.target, cst.Name)
+
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            node.value.visit(self)
+            return False
+
+        def visit_Arg(self, node: cst.Arg) -> bool:
+            node.value.visit(self)
+            return False
+
+        def visit_Name(self, node: cst.Name) -> None:
+            if node.value == name:
+                found.append(node)
+
+    fn.body.visit(Visitor())
+    return found
 
 
 def _is_slot_argument(info: ModuleInfo, node: cst.CSTNode) -> bool:

@@ -61,7 +61,8 @@ class Apply(cst.CSTTransformer):
             result = edit(result)
         steps = self.plan.markers.get(original_node)
         if steps and hasattr(result, "leading_lines"):
-            comments = [cst.EmptyLine(comment=cst.Comment(s.comment)) for s in steps]
+            comments = [cst.EmptyLine(comment=cst.Comment(line)) for s in steps
+                        for line in s.comment]
             result = result.with_changes(leading_lines=[*result.leading_lines, *comments])
         return result
 

@@ -6,6 +6,7 @@ Kept free of ``libcst`` so that the command can report a missing ``libcst`` itse
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import textwrap
 from pathlib import Path
 from typing import Final
 
@@ -22,6 +23,9 @@ EXIT_MANUAL_STEPS: Final = 3
 
 MARKER: Final = "# MIGRATE:"
 """How a line the command left in place is marked in the migrated module."""
+MARKER_CONTINUED: Final = "#   "
+"""How a marker's further lines start."""
+MARKER_WIDTH: Final = 84
 
 
 class MigrationError(AttentionError, ValueError):
@@ -41,8 +45,10 @@ class ManualStep:
     """Line of the marker in the migrated module (1-based; 0 until rendered)."""
 
     @property
-    def comment(self) -> str:
-        return f"{MARKER} {self.reason}; {self.todo}"
+    def comment(self) -> list[str]:
+        """The marker: comment lines of at most :data:`MARKER_WIDTH` characters."""
+        return textwrap.wrap(f"{MARKER} {self.reason}; {self.todo}", width=MARKER_WIDTH,
+                             subsequent_indent=MARKER_CONTINUED, break_on_hyphens=False)
 
     def format(self, path: str | Path) -> str:
         return f"{path}:{self.line}: {self.todo}"

@@ -13,6 +13,7 @@ from vllm.migrate.analysis import (
     ModuleInfo,
     Pieces,
     choose_backend,
+    is_legacy_module,
     find_pieces,
     is_legacy_backend,
     params,
@@ -25,7 +26,7 @@ from vllm.migrate.imports import ImportRewriter, used_names
 from vllm.migrate.layout import SPLIT_FAMILY, infer_layout
 from vllm.migrate.metadata import metadata_fields, rewrite_builder, rewrite_metadata
 from vllm.migrate.plan import Apply, Plan, expression
-from vllm.migrate.report import MARKER, ManualStep, MigrationError, MigrationResult
+from vllm.migrate.report import MARKER, MARKER_CONTINUED, ManualStep, MigrationError, MigrationResult
 from vllm.migrate.source import Target, parse_source, read_source
 from vllm.migrate.writes import WriteFinding, find_writes
 
@@ -91,12 +92,21 @@ def migrate_source(path: Path, text: str, class_name: str | None = None) -> Migr
 
 def manual_steps(code: str) -> list[ManualStep]:
     """The marker comments of a migrated module, in order, with their lines."""
-    steps = []
+    found: list[tuple[int, str]] = []
+    continued = False
     for number, line in enumerate(code.splitlines(), start=1):
         text = line.strip()
         if text.startswith(MARKER):
-            reason, _, todo = text[len(MARKER):].strip().partition("; ")
-            steps.append(ManualStep(reason, todo or reason, number))
+            found.append((number, text[len(MARKER):].strip()))
+            continued = True
+        elif continued and text.startswith(MARKER_CONTINUED):
+            found[-1] = (found[-1][0], f"{found[-1][1]} {text[len(MARKER_CONTINUED):].strip()}")
+        else:
+            continued = False
+    steps = []
+    for number, text in found:
+        reason, _, todo = text.partition("; ")
+        steps.append(ManualStep(reason, todo or reason, number))
     return steps
 
 
@@ -190,19 +200,52 @@ def _check_kinds(info: ModuleInfo, pieces: Pieces, finding: WriteFinding | None,
                 "writer is right; make them agree (or declare kv_cache_layout)")
 
 
+LOCAL_HELPERS = {
+    "cdiv": 'def cdiv(a: int, b: int) -> int:\n    """``ceil(a / b)`` for ints."""\n'
+            "    return -(a // -b)\n",
+    "round_up": 'def round_up(x: int, y: int) -> int:\n    """``x`` rounded up to a multiple '
+                'of ``y``."""\n    return -(x // -y) * y\n',
+}
+"""Small legacy helpers the migrated module defines itself (the legacy surface's code)."""
+STANDARD_LOG_METHODS = frozenset({"debug", "info", "warning", "error", "exception", "critical",
+                                  "log", "isEnabledFor", "setLevel"})
+
+
 def _legacy_helpers(plan: Plan) -> None:
-    """Calls of legacy helpers with an exact new-API spelling."""
+    """Legacy helpers with an exact spelling outside the legacy surface: upstream's
+    ``is_quantized_kv_cache`` on the spec's cache dtype, ``cdiv`` / ``round_up``, and
+    ``init_logger`` where only the standard logging methods are called."""
     info = plan.info
-    found: list[cst.Call] = []
+    quantized: list[cst.Call] = []
+    loggers: list[tuple[cst.Call, str]] = []
+    log_calls: dict[str, set[str]] = {}
 
     class Visitor(cst.CSTVisitor):
+        def visit_Assign(self, node: cst.Assign) -> None:
+            value = node.value
+            if isinstance(value, cst.Call) and info.is_legacy_name(value.func, "init_logger") \
+                    and len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name):
+                loggers.append((value, node.targets[0].target.value))
+
         def visit_Call(self, node: cst.Call) -> None:
             if info.is_legacy_name(node.func, "is_quantized_kv_cache") and \
                     len(node.args) == 1 and node.args[0].keyword is None:
-                found.append(node)
+                quantized.append(node)
+
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            if isinstance(node.value, cst.Name):
+                log_calls.setdefault(node.value.value, set()).add(node.attr.value)
 
     info.module.visit(Visitor())
-    for call in found:
+    for call in quantized:
         arg = info.module.code_for_node(call.args[0].value)
         # the spec's cache dtype is a KVCacheDType: quantised means anything but auto
         plan.replace(call, expression(f'({arg} != "auto")'))
+    for call, name in loggers:
+        if log_calls.get(name, set()) <= STANDARD_LOG_METHODS:
+            plan.replace(call.func, expression("logging.getLogger"))
+            plan.need("logging")
+    for name, code in LOCAL_HELPERS.items():
+        imported = info.imports.get(name)
+        if imported is not None and is_legacy_module(imported.module):
+            plan.imports.defined[name] = code
