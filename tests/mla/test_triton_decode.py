@@ -217,6 +217,26 @@ def test_e4m3_every_code_widens_exactly(hw_fp8: bool, monkeypatch: pytest.Monkey
     assert torch.isnan(out).all()
 
 
+@pytest.mark.usefixtures("triton_interpreter")
+def test_query_parts_taken_as_strided_views() -> None:
+    """The absorbed part as the transposed view a batched matmul returns and the rope
+    part as a slice of the query, as the layer passes them: the same result."""
+    from vllm.attention.ops.triton_mla_decode import mla_decode_mma
+
+    case = Case("auto", torch.float16, 32, 16, 3, 16, 2)
+    fmt, cache, bt, req, pos, q = _inputs(case, seed=4)
+    whole = mla_decode_mma(q, cache, bt, req, pos, fmt, scale=0.2, max_seq_len=64)
+    nope = q[..., :32].transpose(0, 1).contiguous().transpose(0, 1)  # strides (32, T*32, 1)
+    wide = torch.cat([torch.zeros_like(q[..., :8]), q], dim=-1)      # rope at an offset
+    parts = mla_decode_mma(nope, cache, bt, req, pos, fmt, scale=0.2, max_seq_len=64,
+                           q_pe=wide[..., 8 + 32:])
+    assert nope.stride(1) == q.shape[0] * 32
+    torch.testing.assert_close(parts, whole, rtol=1e-6, atol=1e-6)
+    with pytest.raises(InvalidArgumentError, match=r"q_pe: got \(\(5, 3, 8\)"):
+        mla_decode_mma(nope, cache, bt, req, pos, fmt, scale=0.2, max_seq_len=64,
+                       q_pe=q[..., 32:40])
+
+
 def test_errors_name_the_argument() -> None:
     from vllm.attention.ops.triton_mla_decode import MLADecodeConfig, mla_decode_mma
 

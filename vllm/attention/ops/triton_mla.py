@@ -117,12 +117,14 @@ def _launch(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
 def mla_decode_triton(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       token_req: torch.Tensor, token_pos: torch.Tensor, fmt: LatentFormat, *,
                       scale: float, max_seq_len: int, num_splits: int | None = None,
-                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      out_dtype: torch.dtype = torch.float32,
+                      q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """Dense absorbed decode, causal: the tensor-core kernel where it applies, else
     (``fp8_ds_mla``) the per-row kernel.
 
     Args:
-        q_lat: ``[Td, N, L + R]`` (model dtype).
+        q_lat: ``[Td, N, L + R]`` (model dtype), or ``[Td, N, L]`` with ``q_pe``
+            ``[Td, N, R]`` (strided views taken as they are by the tensor-core kernel).
         kv_cache: ``(nb, bs, L + R)`` or ``(nb, bs, 656)`` uint8.
         block_table: ``[num_reqs, max_blocks]`` int32.
         token_req / token_pos: ``[Td]`` int32; token ``i`` sees positions ``0..token_pos[i]``
@@ -137,7 +139,9 @@ def mla_decode_triton(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     if not unsupported_reasons(fmt, q_lat.dtype):
         return mla_decode_mma(q_lat, kv_cache, block_table, token_req, token_pos, fmt,
                               scale=scale, max_seq_len=max_seq_len, num_splits=num_splits,
-                              out_dtype=out_dtype)
+                              out_dtype=out_dtype, q_pe=q_pe)
+    if q_pe is not None:
+        q_lat = torch.cat([q_lat, q_pe], dim=-1)
     return mla_decode_per_row(q_lat, kv_cache, block_table, token_req, token_pos, fmt,
                               scale=scale, max_seq_len=max_seq_len,
                               num_splits=num_splits).to(out_dtype)

@@ -198,12 +198,14 @@ def _descriptors(cache: torch.Tensor, block_n: int, lc: int,
 def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                    token_req: torch.Tensor, token_pos: torch.Tensor, fmt: LatentFormat, *,
                    scale: float, max_seq_len: int, config: MLADecodeConfig | None = None,
-                   num_splits: int | None = None,
-                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   num_splits: int | None = None, out_dtype: torch.dtype = torch.float32,
+                   q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """Dense absorbed decode, causal, on tensor cores.
 
     Args:
-        q_lat: ``[Td, N, L + R]`` float16 / bfloat16 (float32: IEEE dots).
+        q_lat: ``[Td, N, L + R]`` float16 / bfloat16 (float32: IEEE dots); or, with
+            ``q_pe`` ``[Td, N, R]`` given, ``[Td, N, L]`` (any strides but a unit one
+            on the last axis: the absorbed query need not be concatenated).
         kv_cache: ``(nb, bs, L + R)`` in the model dtype, or float8_e4m3fn / float8_e5m2
             scaled by ``fmt.k_scale`` (float32 ``[1]`` on the cache's device).
         block_table: ``[num_reqs, max_blocks]`` int32.
@@ -222,8 +224,18 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                                    (fmt.cache_dtype, str(q_lat.dtype)), "; ".join(reasons))
     t, n, d = q_lat.shape
     L, R = fmt.kv_lora_rank, fmt.rope_dim
-    if d != L + R:
-        raise InvalidArgumentError("q_lat.shape", tuple(q_lat.shape), f"[T, N, {L + R}]")
+    if q_pe is None:
+        if d != L + R:
+            raise InvalidArgumentError("q_lat.shape", tuple(q_lat.shape), f"[T, N, {L + R}]")
+        q_nope, q_pe = q_lat[..., :L], q_lat[..., L:]
+    else:
+        if d != L:
+            raise InvalidArgumentError("q_lat.shape", tuple(q_lat.shape),
+                                       f"[T, N, {L}] (the latent part, q_pe given)")
+        if tuple(q_pe.shape) != (t, n, R) or q_pe.dtype != q_lat.dtype:
+            raise InvalidArgumentError("q_pe", (tuple(q_pe.shape), str(q_pe.dtype)),
+                                       f"[{t}, {n}, {R}] in {q_lat.dtype}")
+        q_nope = q_lat
     if kv_cache.dim() != 3 or kv_cache.shape[2] != L + R or kv_cache.stride(2) != 1:
         raise InvalidArgumentError(
             "kv_cache", (tuple(kv_cache.shape), tuple(kv_cache.stride())),
@@ -258,7 +270,8 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     if not 1 <= splits <= MAX_SPLITS:
         raise InvalidArgumentError("num_splits", splits, f"1..{MAX_SPLITS}")
     decode_kernel, combine_kernel = _kernels(interp)
-    q = q_lat if q_lat.stride(2) == 1 else q_lat.contiguous()
+    q = q_nope if q_nope.stride(2) == 1 else q_nope.contiguous()
+    qe = q_pe if q_pe.stride(2) == 1 else q_pe.contiguous()
     fp8 = _FP8_CODES.get(kv_cache.dtype, 0)
     cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
     bt = block_table.to(torch.int32)
@@ -279,9 +292,10 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     lat_desc, pe_desc = descs if descs is not None else (cache, cache)
     max_iters = -(-(-(-max_seq_len // splits)) // block_n) + 1 if interp else 0
     decode_kernel[(head_tiles * v_split, splits, t)](
-        q, lat_desc, pe_desc, cache, bt, req, pos,
+        q, qe, lat_desc, pe_desc, cache, bt, req, pos,
         fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,
-        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), bt.stride(0),
+        q.stride(0), q.stride(1), qe.stride(0), qe.stride(1), cache.stride(0), cache.stride(1),
+        bt.stride(0),
         out.stride(0), out.stride(1), *part_strides,
         n, scale, splits,
         KV_LORA=L, ROPE=R, PAGE=page, FP8=fp8, HW_FP8=_hw_fp8(gpu),

@@ -139,10 +139,12 @@ def _attend_tile(
 
 @jit
 def mla_decode_mma_kernel(
-    Q: tl.tensor, LAT_DESC: tl.tensor_descriptor, PE_DESC: tl.tensor_descriptor,
-    C: tl.tensor, BT: tl.tensor, TOK_REQ: tl.tensor, TOK_POS: tl.tensor, K_SCALE: tl.tensor,
+    Q: tl.tensor, Q_PE: tl.tensor, LAT_DESC: tl.tensor_descriptor,
+    PE_DESC: tl.tensor_descriptor, C: tl.tensor, BT: tl.tensor, TOK_REQ: tl.tensor,
+    TOK_POS: tl.tensor, K_SCALE: tl.tensor,
     OUT: tl.tensor, O_PART: tl.tensor, LSE_PART: tl.tensor,
-    stride_qt: tl.tensor, stride_qh: tl.tensor, stride_cb: tl.tensor, stride_cs: tl.tensor,
+    stride_qt: tl.tensor, stride_qh: tl.tensor, stride_et: tl.tensor, stride_eh: tl.tensor,
+    stride_cb: tl.tensor, stride_cs: tl.tensor,
     stride_bt: tl.tensor, stride_xt: tl.tensor, stride_xh: tl.tensor,
     stride_pt: tl.tensor, stride_ph: tl.tensor, stride_ps: tl.tensor,
     stride_lt: tl.tensor, stride_lh: tl.tensor,
@@ -156,7 +158,8 @@ def mla_decode_mma_kernel(
 ) -> None:
     """One (head tile and value part, split, token) program of the dense absorbed decode.
 
-    ``Q``: ``[T, N, L + R]``; ``C``: the latent cache ``(nb, PAGE, L + R)`` (fp8 read
+    ``Q``: ``[T, N, L]`` (the absorbed ``q_nope @ W_UK``), ``Q_PE``: ``[T, N, R]``, unit
+    stride on the last axis; ``C``: the latent cache ``(nb, PAGE, L + R)`` (fp8 read
     as bytes: ``FP8`` 1 E4M3, 2 E5M2), also seen by ``LAT_DESC`` / ``PE_DESC`` as
     ``[nb * PAGE, L + R]`` when ``USE_TMA``; ``BT``: ``[reqs, max_blocks]`` int32;
     ``TOK_REQ`` / ``TOK_POS``: ``[T]`` int32 (token ``t`` sees positions
@@ -190,7 +193,7 @@ def mla_decode_mma_kernel(
     if LAT_CHUNKS == 2:
         q_b = tl.load(q_row + col_b + offs_c[None, :],
                       mask=mask_h[:, None] & (col_b + offs_c < KV_LORA)[None, :], other=0.0)
-    q_pe = tl.load(q_row + KV_LORA + offs_r[None, :],
+    q_pe = tl.load(Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :],
                    mask=mask_h[:, None] & (offs_r < ROPE)[None, :], other=0.0)
     if FP32_DOT:
         q_a = q_a.to(tl.float32)

@@ -322,7 +322,7 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
         if meta.num_decode_tokens:
             path = self.decode_path(query.device, meta)
             q = query[meta.decode_token_idx]
-            o_lat = self._decode(path, self._absorb(q), kv_cache, meta, fmt)
+            o_lat = self._decode(path, q, kv_cache, meta, fmt)
             out3[meta.decode_token_idx] = spec.projection.project_output(
                 o_lat.to(query.dtype)).to(output.dtype)
             paths.append(path)
@@ -342,21 +342,24 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
         ql_nope = self.mla.projection.absorb_query(q[..., :p])
         return torch.cat([ql_nope, q[..., p:]], dim=-1)
 
-    def _decode(self, path: ComputePath, q_lat: torch.Tensor, kv_cache: torch.Tensor,
+    def _decode(self, path: ComputePath, q: torch.Tensor, kv_cache: torch.Tensor,
                 meta: MLAMetadata, fmt: LatentFormat) -> torch.Tensor:
-        """``q_lat`` ``[Td, N, L + R]`` -> ``[Td, N, L]`` on ``path`` (float32, or the
-        model dtype on the Triton path)."""
+        """``q`` ``[Td, N, P + R]`` -> ``[Td, N, L]`` on ``path`` (float32, or the model
+        dtype on the Triton path)."""
         scale = self.mla.scale
         if path == "torch":
-            return mla_decode_torch(q_lat, kv_cache, meta.block_table, meta.decode_groups, fmt,
-                                    scale=scale)
+            return mla_decode_torch(self._absorb(q), kv_cache, meta.block_table,
+                                    meta.decode_groups, fmt, scale=scale)
         if path == "triton":
             from vllm.attention.ops.triton_mla import mla_decode_triton
 
-            # the model dtype is what the output projection takes
+            # the kernel reads the absorbed part and the rope part where they are (no
+            # [Td, N, L + R] copy) and writes the model dtype the output projection takes
+            p = self.mla.qk_nope_head_dim
             return mla_decode_triton(
-                q_lat, kv_cache, meta.block_table, meta.decode_token_req, meta.decode_token_pos,
-                fmt, scale=scale, max_seq_len=meta.max_decode_seq_len, out_dtype=q_lat.dtype,
+                self.mla.projection.absorb_query(q[..., :p]), kv_cache, meta.block_table,
+                meta.decode_token_req, meta.decode_token_pos, fmt, scale=scale,
+                max_seq_len=meta.max_decode_seq_len, out_dtype=q.dtype, q_pe=q[..., p:],
             )
         v = self.vendor
         if v is None or path != v.name:
@@ -364,8 +367,8 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
                 "force_path", path,
                 "'torch', 'triton'" + (f" or {v.name!r}" if v is not None else ""),
             )
-        return v.decode(q_lat, kv_cache, meta.decode_block_table, meta.decode_seq_lens,
-                        meta.max_decode_seq_len, self.mla, fmt)
+        return v.decode(self._absorb(q), kv_cache, meta.decode_block_table,
+                        meta.decode_seq_lens, meta.max_decode_seq_len, self.mla, fmt)
 
     def _forward_sparse(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: MLAMetadata,
                         fmt: LatentFormat, out3: torch.Tensor) -> None:
