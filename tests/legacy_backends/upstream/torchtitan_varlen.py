@@ -1,54 +1,44 @@
-# Copyright (c) Meta Platforms, Inc. and affiliates.
-# All rights reserved.
-#
-# This source code is licensed under the BSD-style license found in the
-# LICENSE file in the root directory of this source tree.
-"""torchtitan's vLLM attention backend: an out-of-tree plugin registered with
-``@register_backend(AttentionBackendEnum.CUSTOM)`` that subclasses vLLM's flagged
-FlashAttention and computes with torch's varlen flash kernel.
-
-Transcribed from https://github.com/pytorch/torchtitan, commit
-311e6fcba8c186e1ef545d89ce23e64c6b06d569, path torchtitan/experiments/rl/models/attention.py:
+"""An out-of-tree plugin backend registered with
+``@register_backend(AttentionBackendEnum.CUSTOM)``: it subclasses the flagged
+FlashAttention backend (its metadata, cache layout and ``do_kv_cache_update``) and
+computes with torch's varlen flash attention API. Written against the interface of
+torchtitan's vLLM attention backend: https://github.com/pytorch/torchtitan at commit
+311e6fcba8c186e1ef545d89ce23e64c6b06d569, torchtitan/experiments/rl/models/attention.py,
 the classes ``PyTorchVarlenAttentionBackend`` and ``PyTorchVarlenAttentionImpl``.
 
-Changed, and nothing else:
-- this docstring;
-- left out: the class ``VLLMAttentionWrapper`` (model glue over torchtitan's
-  ``LocalMapInnerAttention``) and the imports only it used (``itertools``,
-  ``dataclasses.dataclass``, ``torchtitan.models.common.attention.LocalMapInnerAttention``);
-- ``is_in_batch_invariant_mode``, ``warn_once`` and ``has_cuda_capability`` from
-  ``tests.legacy_backends.upstream.kernels`` instead of ``torchtitan.distributed.utils``,
-  ``torchtitan.tools.logging`` and ``torchtitan.tools.utils`` (torchtitan is not a
-  dependency here);
-- ``FlashAttentionBackend``, ``FlashAttentionImpl``, ``FlashAttentionMetadata`` from
-  ``tests.legacy_backends.upstream.flash_attn_flagged`` (the transcription of the flagged
-  vLLM FlashAttention) instead of ``vllm.v1.attention.backends.flash_attn``;
-- the call ``torch.nn.attention.varlen.varlen_attn_out(...)`` is
-  ``varlen.varlen_attn_out(...)`` with ``varlen`` the module
-  ``tests.legacy_backends.upstream.kernels``: torch's flash kernel under it
-  (``aten::_flash_attention_forward_no_dropout_inplace``) has no CPU implementation.
-  ``torch.nn.attention``'s ``activate_flash_attention_impl`` and
-  ``current_flash_attention_impl`` run on CPU and are torch's own.
+Kept from that interface: the imports, the class names and bases, the method names and
+signatures, the registration, and the calls it makes (torch's
+``current_flash_attention_impl`` / ``activate_flash_attention_impl``, ``varlen_attn_out``
+with the arguments it passes and without ``enable_gqa``, which is why GQA and MQA layers
+fail on torch 2.13, and the window ``(-1, 0)`` whatever the layer's sliding window or soft
+cap). The code, docstrings and comments are this project's own. Where torchtitan imports
+vLLM's FlashAttention it imports :mod:`.flash_attn_flagged` (this project's backend written
+against that interface); torchtitan's helpers (``is_in_batch_invariant_mode``,
+``warn_once``, ``has_cuda_capability``) and ``varlen_attn_out`` come from :mod:`.kernels`
+(torch's flash kernel under ``varlen_attn_out`` has no CPU implementation).
+``activate_flash_attention_impl`` and ``current_flash_attention_impl`` are torch's own.
+torchtitan's model-side wrapper around the layer is left out.
 """
+
+from __future__ import annotations
 
 import logging
 
 import torch
-from torch.nn.attention import (
-    activate_flash_attention_impl,
-    current_flash_attention_impl,
-)
-from tests.legacy_backends.upstream.kernels import is_in_batch_invariant_mode
-from tests.legacy_backends.upstream.kernels import warn_once
-from tests.legacy_backends.upstream.kernels import has_cuda_capability
+from torch.nn.attention import activate_flash_attention_impl, current_flash_attention_impl
+
 from tests.legacy_backends.upstream import kernels as varlen
-from vllm.model_executor.layers.attention import Attention
-from vllm.v1.attention.backend import AttentionType
 from tests.legacy_backends.upstream.flash_attn_flagged import (
     FlashAttentionBackend,
     FlashAttentionImpl,
     FlashAttentionMetadata,
 )
+from tests.legacy_backends.upstream.kernels import (
+    has_cuda_capability,
+    is_in_batch_invariant_mode,
+    warn_once,
+)
+from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 logger = logging.getLogger(__name__)
@@ -56,21 +46,12 @@ logger = logging.getLogger(__name__)
 
 @register_backend(AttentionBackendEnum.CUSTOM)
 class PyTorchVarlenAttentionBackend(FlashAttentionBackend):
-    """Custom vLLM attention backend using PyTorch's native FlashAttention kernel.
-
-    This class is not directly referenced in user code. It is registered into
-    vLLM's attention backend registry via the ``@register_backend`` decorator
-    and selected at runtime when the vLLM engine is configured to use a CUSTOM
-    attention backend.
-
-    Inheriting from ``FlashAttentionBackend`` is not strictly required for all
-    backends, but it is convenient here to reuse metadata construction logic.
-    """
+    """FlashAttention's metadata, cache and cache write, with the attention computed by
+    torch's varlen kernel. Chosen by the engine when asked for the CUSTOM backend, the
+    name a plugin must answer to."""
 
     @staticmethod
     def get_name():
-        # vLLM requires any custom attention backend to return "CUSTOM" as its
-        # name so the backend registry can look it up correctly.
         return "CUSTOM"
 
     @staticmethod
@@ -79,28 +60,18 @@ class PyTorchVarlenAttentionBackend(FlashAttentionBackend):
 
 
 class PyTorchVarlenAttentionImpl(FlashAttentionImpl):
-    """
-    Custom vLLM attention backend impl using PyTorch's native FlashAttention varlen API.
-    Instead of using vLLM's FlashAttention kernel, this implementation takes the kernel
-    dependency from torch directly while supporting the same interface.
-    """
+    """Decoder attention over the paged cache through
+    ``torch.nn.attention.varlen.varlen_attn_out``: causal only, no encoder types, fp8
+    cache, cascade, context parallelism or ALiBi."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if not has_cuda_capability(9, 0):
+            warn_once(logger, "torch varlen attention: no SM 9.0 device, using FA2")
+        elif current_flash_attention_impl() != "FA3":
+            # activating re-registers torch's kernels: do it once per process
+            activate_flash_attention_impl("FA3")
 
-        # Hopper (SM 9.0) uses FA3
-        if has_cuda_capability(9, 0):
-            # activate_flash_attention_impl() will restore internal global state
-            # and re-run register function, so we want to only call it once.
-            if current_flash_attention_impl() != "FA3":
-                activate_flash_attention_impl("FA3")
-        else:
-            warn_once(
-                logger, "FA3 not available (requires SM 9.0+), falling back to FA2. "
-            )
-
-    # Based on vLLM's FlashAttentionImpl.forward():
-    # https://github.com/vllm-project/vllm/blob/main/vllm/v1/attention/backends/flash_attn.py
     def forward(
         self,
         layer: torch.nn.Module,
@@ -113,106 +84,56 @@ class PyTorchVarlenAttentionImpl(FlashAttentionImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Forward pass with FlashAttention.
-
-        Args:
-            query: shape = [num_tokens, num_heads, head_size]
-            key: shape = [num_tokens, num_kv_heads, head_size]
-            value: shape = [num_tokens, num_kv_heads, head_size]
-            kv_cache: shape =
-                [2, num_blocks, block_size, num_kv_heads, head_size]
-            attn_metadata: Metadata for attention.
-        Returns:
-            shape = [num_tokens, num_heads * head_size]
-        """
-        assert output is not None, "Output tensor must be provided."
-        assert (
-            self.vllm_flash_attn_version is not None
-        ), "FlashAttention version not detected."
-
+        """``query`` ``[T, num_heads, head_size]`` over ``kv_cache`` ``[2, num_blocks,
+        block_size, num_kv_heads, head_size]`` (already holding this step's K/V);
+        returns ``output[:num_actual_tokens]``, filled."""
+        if output is None:
+            raise ValueError("PyTorchVarlenAttentionImpl.forward writes into output")
+        if self.vllm_flash_attn_version is None:
+            raise RuntimeError("no FlashAttention version was found")
         if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError(
-                "fused output quantization is not yet supported for FlashAttentionImpl"
-            )
-
-        if attn_metadata is None:
-            # Profiling run.
+            raise NotImplementedError("PyTorchVarlenAttentionImpl does not quantise its output")
+        if attn_metadata is None:  # a profiling step
             return output.fill_(0)
 
-        attn_type = self.attn_type
+        m = attn_metadata
+        unsupported = [
+            (self.attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER),
+             f"attention type {self.attn_type}"),
+            (self.kv_cache_dtype.startswith("fp8"), "an fp8 KV cache"),
+            (m.use_cascade, "cascade attention"),
+            (self.dcp_world_size != 1, "decode context parallelism"),
+            (not m.causal, "non-causal attention"),
+            (self.alibi_slopes is not None, "ALiBi"),
+        ]
+        for refused, what in unsupported:
+            if refused:
+                raise NotImplementedError(f"PyTorchVarlenAttentionImpl: no {what}")
 
-        # IMPORTANT!
-        # NOTE(woosuk): With piece-wise CUDA graphs, this method is executed in
-        # eager-mode PyTorch. Thus, we need to be careful about any CPU overhead
-        # in this method. For example, `view` and `slice` (or `[:n]`) operations
-        # are surprisingly slow even in the case they do not invoke any GPU ops.
-        # Minimize the PyTorch ops in this method as much as possible.
-        # Whenever making a change in this method, please benchmark the
-        # performance to make sure it does not introduce any overhead.
-
-        num_actual_tokens = attn_metadata.num_actual_tokens
-
-        assert attn_type not in (
-            AttentionType.ENCODER_ONLY,
-            AttentionType.ENCODER,
-        ), "Encoder-only attention not supported yet."
-
-        # For decoder and cross-attention, use KV cache as before
         key_cache, value_cache = kv_cache.unbind(0)
-
-        assert not self.kv_cache_dtype.startswith(
-            "fp8"
-        ), "FP8 KV cache not supported yet."
-
-        assert not attn_metadata.use_cascade, "Cascade not supported yet."
-
-        cu_seqlens_q = attn_metadata.query_start_loc
-        seqused_k = attn_metadata.seq_lens
-        max_seqlen_q = attn_metadata.max_query_len
-        max_seqlen_k = attn_metadata.max_seq_len
-        block_table = attn_metadata.block_table
-
-        assert self.dcp_world_size == 1, "DCP not supported yet."
-
-        if attn_metadata.causal:
-            sliding_window_size = (-1, 0)
-        else:
-            raise RuntimeError("Non-causal attention not supported yet.")
-
-        assert self.alibi_slopes is None, "Alibi slopes not supported yet."
-
-        # FA3 can infer cu_seqlens_k from block_table + seqused_k.
-        # FA2 requires cu_seqlens_k to be explicitly set.
-        if current_flash_attention_impl() == "FA3":
-            cu_seqlens_k = None
-        else:
-            num_seqs = seqused_k.shape[0]
-            cu_seqlens_k = torch.zeros(
-                num_seqs + 1, dtype=torch.int32, device=query.device
-            )
-            cu_seqlens_k[1:] = torch.cumsum(seqused_k, dim=0)
-        # FA3 + batch-invariant: fix num_splits=1 to prevent non-deterministic
-        # split-k reductions. FA2 is automatically batch-invariant and does
-        # not accept num_splits.
-        extra_kwargs = {}
-
-        # Disable split_kv in Flash Attention to ensure bitwise identical output.
-        # see https://github.com/pytorch/pytorch/pull/176905
-        if is_in_batch_invariant_mode() and current_flash_attention_impl() == "FA3":
-            extra_kwargs["num_splits"] = 1
+        n = m.num_actual_tokens
+        fa3 = current_flash_attention_impl() == "FA3"
+        if fa3:
+            cu_seqlens_k = None  # FA3 reads key lengths from seqused_k and the block table
+        else:  # FA2 wants the cumulative key lengths as well
+            cu_seqlens_k = torch.nn.functional.pad(
+                torch.cumsum(m.seq_lens, dim=0, dtype=torch.int32), (1, 0))
+        options = {}
+        if fa3 and is_in_batch_invariant_mode():
+            options["num_splits"] = 1  # one split: the sum order never depends on the batch
 
         return varlen.varlen_attn_out(
-            output[:num_actual_tokens],
-            query[:num_actual_tokens],
+            output[:n],
+            query[:n],
             key_cache,
             value_cache,
-            cu_seqlens_q,
+            m.query_start_loc,
             cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
+            m.max_query_len,
+            m.max_seq_len,
             scale=self.scale,
-            window_size=sliding_window_size,
-            block_table=block_table,
-            seqused_k=seqused_k,
-            **extra_kwargs,
+            window_size=(-1, 0),
+            block_table=m.block_table,
+            seqused_k=m.seq_lens,
+            **options,
         )
