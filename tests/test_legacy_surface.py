@@ -1,7 +1,7 @@
 """The legacy surface's conventions: what upstream vLLM's code hands to a write, its
 string attention types and cache dtype spellings, its registration rules, and the
-layer view a legacy impl is called with. (The transcribed upstream backends are run in
-``tests/test_legacy_upstream.py``.)"""
+layer view a legacy impl is called with. (The backends written against upstream's interface
+are run in ``tests/test_legacy_upstream.py``.)"""
 
 from __future__ import annotations
 

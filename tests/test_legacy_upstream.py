@@ -1,6 +1,8 @@
-"""Real legacy backends, transcribed from public code (``tests/legacy_backends/upstream/``),
-run unchanged: through the registry, the conformance kit and ``vllm-attn check``, with
-the cache bytes and outputs of this package's migrated backend of the same layout."""
+"""Legacy backends written against upstream's interface (``tests/legacy_backends/upstream/``:
+upstream's framework imports, class and method names, signatures, metadata fields and
+framework calls), run unchanged: through the registry, the conformance kit and
+``vllm-attn check``, with the cache bytes and outputs of this package's migrated backend of
+the same layout."""
 
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
-"""Torch stand-ins for the CUDA / vendor kernels the transcribed backends call.
+"""Torch stand-ins for the CUDA / vendor kernels the backends beside this module call.
 
-The transcriptions beside this module import these names where the originals imported
-vLLM's flash-attention wrappers (``vllm.attention.utils.fa_utils``,
+Those backends, written against upstream's interface, import these names where upstream
+imports vLLM's flash-attention wrappers (``vllm.attention.utils.fa_utils``,
 ``vllm.v1.attention.backends.fa_utils``), ``vllm._custom_ops``, vLLM's
 ``merge_attn_states`` / ``cp_lse_ag_out_rs``, torch's varlen flash kernel and
 torchtitan's helpers. Each has the signature of what it replaces and its semantics,
 computed plainly in float32 per request; nothing here calls this package's writers or
-attention ops, so what a transcription writes and computes is its own.
+attention ops, so what such a backend writes and computes is its own.
 
-``get_flash_attn_version()`` is 2: the FA2 code paths of the transcriptions run (no AOT
+``get_flash_attn_version()`` is 2: the FA2 code paths of those backends run (no AOT
 scheduler metadata, no fp8 cache, no sinks, which upstream enables on FA3 only), and FA2's
 semantics are what :func:`flash_attn_varlen_func` implements.
 """
