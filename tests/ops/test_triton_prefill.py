@@ -97,3 +97,25 @@ def test_cuda_prefill_tiles(case: Case, block_m: int, block_n: int, split_masks:
     _require("cuda")
     err = _run(case, "cuda", block_m=block_m, block_n=block_n, split_masks=split_masks)
     assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
+
+
+def test_interpreter_negative_scale_keeps_masks() -> None:
+    """Unmasked tiles fold the scale into ``max(s) * scale``, right for a positive scale
+    only; with a negative one (logits large enough that a wrong running maximum
+    overflows exp2) the launch keeps every tile masked."""
+    _require("cpu")
+    from vllm.attention.ops.reference import attend
+    from vllm.attention.ops.triton_paged_attention import TritonLaunchConfig, paged_attention_triton
+
+    case = Case(L.SPLIT_NHD, "auto", **LONG)  # type: ignore[arg-type]
+    b = build(case)
+    scale = -8.0
+    out = b.new_output()
+    cfg = TritonLaunchConfig(block_m=16, block_n=16, num_splits=1, split_masks=True)
+    paged_attention_triton(b.query, b.kv, b.batch.common, scale=scale, output=out, config=cfg)
+    refs, at = [], 0
+    for i, n in enumerate(case.query_lens):
+        refs.append(attend(b.query[at:at + n].double(), b.keys[i], b.values[i], scale=scale,
+                           causal=True))
+        at += n
+    assert rel_err(out, torch.cat(refs)) <= TOLERANCE[case.dtype]

@@ -91,7 +91,8 @@ class TritonLaunchConfig:
     split_masks: bool = False
     """Run the key tiles every row sees without masks, masking only the edge tiles
     (the causal diagonal, the window's start, the last partial tile). Prefill only:
-    decode launches keep the one masked loop they were tuned with."""
+    decode launches keep the one masked loop they were tuned with. Needs ``scale > 0``
+    (ignored otherwise)."""
     reverse_tiles: bool = False
     """Launch query tiles last-first, so the longest (causal) tiles start first."""
 
@@ -277,7 +278,8 @@ def paged_attention_triton(
         DEQUANT=int(kv.dequant), CAUSAL=causal and tree_mask is None,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logits_soft_cap is not None,
         HAS_TREE=tree_mask is not None, FP32_DOT=q.dtype == torch.float32,
-        NUM_SPLITS=splits, INTERPRETER=interpreter_active(), SPLIT_MASKS=cfg.split_masks,
+        NUM_SPLITS=splits, INTERPRETER=interpreter_active(),
+        SPLIT_MASKS=cfg.split_masks and scale > 0,  # unmasked tiles fold a positive scale
         REVERSE_TILES=cfg.reverse_tiles,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -135,31 +135,38 @@ def _attend_tile(
         else:
             k_tok_sc = tl.load(ks_ptr + blk * ks_sb + off * ks_st + kv_head * ks_sh)
         s = s * k_tok_sc[None, :]
-    if HAS_SOFTCAP:
-        # cap * tanh(x / cap) with tanh(y) = 1 - 2 / (exp(2y) + 1), in log2 units.
-        e = tl.exp2(s * qk_scale)
-        s = softcap_log2 * (1.0 - 2.0 / (e + 1.0))
+    if MASKED or HAS_SOFTCAP:
+        if HAS_SOFTCAP:
+            # cap * tanh(x / cap) with tanh(y) = 1 - 2 / (exp(2y) + 1), in log2 units.
+            e = tl.exp2(s * qk_scale)
+            s = softcap_log2 * (1.0 - 2.0 / (e + 1.0))
+        else:
+            s = s * qk_scale
+
+        if MASKED:
+            visible = n_ok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & ((q_pos[:, None] - offs_n[None, :]) < window)
+            if HAS_TREE:
+                j = offs_n - ctx_len
+                in_new = j >= 0
+                t_ok = row_ok[:, None] & (in_new & n_ok)[None, :]
+                bits = tl.load(tree_ptr + tok[:, None] * tree_s + j[None, :], mask=t_ok, other=0)
+                visible = visible & ((j < 0)[None, :] | (bits != 0))
+            s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
     else:
-        s = s * qk_scale
-
-    if MASKED:
-        visible = n_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            visible = visible & ((q_pos[:, None] - offs_n[None, :]) < window)
-        if HAS_TREE:
-            j = offs_n - ctx_len
-            in_new = j >= 0
-            t_ok = row_ok[:, None] & (in_new & n_ok)[None, :]
-            bits = tl.load(tree_ptr + tok[:, None] * tree_s + j[None, :], mask=t_ok, other=0)
-            visible = visible & ((j < 0)[None, :] | (bits != 0))
-        s = tl.where(visible, s, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
+        # Every key visible and finite: the row maximum is finite, and the scale (> 0,
+        # the launcher's condition for unmasked tiles) folds into one FMA per logit.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     m_i = m_new
