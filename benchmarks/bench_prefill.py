@@ -11,7 +11,8 @@ when ``flashinfer`` imports.
   written into the cache, then attention over the cache (what serving runs);
 * ``compute``: ``impl.forward`` alone over the filled cache;
 * ``op triton``: the paged Triton kernel called directly on the layer's cache
-  (``paged_attention_triton``), whatever path the layer picks;
+  (``paged_attention_triton``), whatever path the layer picks; and
+  ``TRITON_ATTN [flash_varlen off]``, the layer with its prefill on that kernel;
 * baselines: ``sdpa flash (dense)``, ``scaled_dot_product_attention(q, k, v,
   is_causal=True, enable_gqa=True)`` under ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``
   on ``[B, H, S, D]`` views of the same tensors (fresh); for chunked prefill the same
@@ -186,6 +187,23 @@ def _layer_for(name: str, shape: Shape, args: argparse.Namespace, device: torch.
     del layer, cache
 
 
+@contextlib.contextmanager
+def _flash_varlen_off(off: bool) -> Iterator[None]:
+    """With ``off``, the portable path's prefill runs the paged Triton kernel (the layer's
+    other choices unchanged): the Triton kernel's rate through the layer."""
+    if not off:
+        yield
+        return
+    from vllm.attention.ops import flash_varlen
+
+    saved = flash_varlen.flash_varlen_unavailable
+    flash_varlen.flash_varlen_unavailable = lambda device: "switched off by bench_prefill"
+    try:
+        yield
+    finally:
+        flash_varlen.flash_varlen_unavailable = saved
+
+
 def _time(fn: Callable[[], object], args: argparse.Namespace, device: torch.device) -> float:
     return event_us(fn, iters=args.iters, warmup=args.warmup, rounds=3, device=device)
 
@@ -205,13 +223,18 @@ def bench_prefill_shape(shape: Shape, args: argparse.Namespace, device: torch.de
                          path="-", time_us=t, tflops=shape.flops / t / 1e6,
                          ratio=None if base_us is None else base_us / t,
                          rel_err=None if ref_out is None or i == 0 else _rel(res, ref_out)))
-    for name in args.backends:
+    runs = [(name, False) for name in args.backends]
+    if "TRITON_ATTN" in args.backends and device.type == "cuda":
+        runs.insert(runs.index(("TRITON_ATTN", False)) + 1, ("TRITON_ATTN", True))
+    for name, no_flash in runs:
         if name == "FLASHINFER" and not _importable("flashinfer"):
             rows.append(dict(shape=shape.name, impl=name, what="-", path="-",
                              note="flashinfer is not importable here"))
             continue
         out = torch.empty_like(shape.q)
-        with _layer_for(name, shape, args, device) as (layer, meta, cache):
+        label = f"{name} [flash_varlen off]" if no_flash else name
+        with _layer_for(name, shape, args, device) as (layer, meta, cache), \
+                _flash_varlen_off(no_flash):
             impl: Any = layer.impl
 
             def step() -> Any:
@@ -229,12 +252,12 @@ def bench_prefill_shape(shape: Shape, args: argparse.Namespace, device: torch.de
                 t = _time(fn, args, device)
                 err = None if ref_out is None else _rel(out, ref_out)
                 rows.append(dict(
-                    shape=shape.name, impl=name, what=what, path=impl.last_compute_path,
+                    shape=shape.name, impl=label, what=what, path=impl.last_compute_path,
                     time_us=t, tflops=shape.flops / t / 1e6,
                     ratio=None if base_us is None else base_us / t, rel_err=err,
                     first_call_s=first_s if what == "layer" else None,
                     note="; ".join(impl.last_fallbacks)))
-            if name == "TRITON_ATTN" and device.type == "cuda":
+            if name == "TRITON_ATTN" and not no_flash and device.type == "cuda":
                 rows.append(_op_triton_row(shape, layer, meta, out, args, device, ref_out,
                                            base_us))
     return rows
