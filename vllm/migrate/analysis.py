@@ -95,6 +95,8 @@ class ModuleInfo:
     imports: dict[str, Imported] = field(default_factory=dict)
     classes: dict[str, ClassInfo] = field(default_factory=dict)
     functions: dict[str, cst.FunctionDef] = field(default_factory=dict)
+    constants: dict[str, cst.BaseExpression] = field(default_factory=dict)
+    """Module-level ``NAME = <value>`` assignments (the last one of each name)."""
     positions: Mapping[cst.CSTNode, CodeRange] = field(default_factory=dict, repr=False)
     """Where each node of ``module`` starts and ends."""
     metadata_class: str = ""
@@ -197,6 +199,14 @@ def read_module(path: Path, module: cst.Module) -> ModuleInfo:
                         local = _asname(alias) or name.split(".")[0]
                         qualified = name if alias.asname else local
                         info.imports[local] = Imported(local, qualified, "", stmt)
+        if isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(
+                        small.targets[0].target, cst.Name):
+                    info.constants[small.targets[0].target.value] = small.value
+                elif isinstance(small, cst.AnnAssign) and isinstance(small.target, cst.Name) \
+                        and small.value is not None:
+                    info.constants[small.target.value] = small.value
         elif isinstance(stmt, cst.ClassDef):
             info.classes[stmt.name.value] = _read_class(info, stmt)
         elif isinstance(stmt, cst.FunctionDef):

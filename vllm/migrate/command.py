@@ -23,7 +23,7 @@ from vllm.migrate.report import (
 )
 
 INSTALL_HINT = ("libcst is not installed; vllm-attn migrate needs it: "
-                "pip install 'vllm-kv-writer[migrate]' (or pip install 'libcst>=1.0')")
+                "pip install 'vllm-kv-writer[migrate]' (or pip install 'libcst>=1.3')")
 
 DESCRIPTION = """\
 Rewrite a legacy attention backend module (fused: forward() writes the cache; flagged:

@@ -88,6 +88,7 @@ class Evaluator:
         self.class_attrs = class_attrs or {}
         self.kv_cache_layout = kv_cache_layout
         """What ``get_kv_cache_layout()`` answers."""
+        self._resolving: set[str] = set()
 
     def call(self, fn: cst.FunctionDef, *args: object, **kwargs: object) -> object:
         """The value ``fn`` returns (or :class:`Raised`) for these arguments; parameters
@@ -163,7 +164,7 @@ class Evaluator:
     def expr(self, node: cst.BaseExpression, env: Mapping[str, object]) -> object:
         try:
             return self._expr(node, env)
-        except (TypeError, ValueError, ZeroDivisionError, ArithmeticError):
+        except (TypeError, ValueError, ZeroDivisionError, ArithmeticError, LookupError):
             return NOT_LITERAL
 
     def _expr(self, node: cst.BaseExpression, env: Mapping[str, object]) -> object:
@@ -177,7 +178,31 @@ class Evaluator:
         if isinstance(node, cst.Name):
             if node.value in env:
                 return env[node.value]
+            constant = self.info.constants.get(node.value)
+            if constant is not None and node.value not in self._resolving:
+                self._resolving.add(node.value)  # a module-level constant
+                try:
+                    return self._expr(constant, {})
+                finally:
+                    self._resolving.discard(node.value)
             return {"True": True, "False": False, "None": None}.get(node.value, NOT_LITERAL)
+        if isinstance(node, cst.Dict):
+            mapping: dict[object, object] = {}
+            for entry in node.elements:
+                if not isinstance(entry, cst.DictElement):
+                    return NOT_LITERAL
+                k, v = self._expr(entry.key, env), self._expr(entry.value, env)
+                if NOT_LITERAL in (k, v):
+                    return NOT_LITERAL
+                mapping[k] = v
+            return mapping
+        if isinstance(node, cst.Subscript) and len(node.slice) == 1 and isinstance(
+                node.slice[0].slice, cst.Index):
+            container = self._expr(node.value, env)
+            index = self._expr(node.slice[0].slice.value, env)
+            if NOT_LITERAL in (container, index):
+                return NOT_LITERAL
+            return container[index]  # type: ignore[index]
         if isinstance(node, (cst.Tuple, cst.List, cst.Set)):
             items = []
             for el in node.elements:
@@ -257,6 +282,8 @@ class Evaluator:
             return self.kv_cache_layout
         if last == "is_quantized_kv_cache" and len(args) == 1 and isinstance(args[0], str):
             return args[0] not in ("auto", "bfloat16", "float16", "float32")
+        if q == "range" and 1 <= len(args) <= 3 and all(isinstance(a, int) for a in args):
+            return range(*(int(a) for a in args if isinstance(a, int)))
         if q in ("len", "list", "tuple", "frozenset", "set", "int") and len(args) == 1:
             return {"len": len, "list": list, "tuple": tuple, "frozenset": frozenset,
                     "set": frozenset, "int": int}[q](args[0])  # type: ignore[operator]
