@@ -6,7 +6,8 @@ Two ways to present the pages to ``flex_attention`` (``mode``; ``"auto"`` picks)
   (all ``nb * bs`` slots of the layouts whose block and token axes merge: K/V-first,
   block-interleaved, DiffKV; ``auto`` caches in the query's dtype). Each request is
   one batch entry of the query (``[B, Hq, max_q_len, D]``, ``B`` rounded up to a power
-  of two so the compiled kernel sees few batch sizes), and its block-table row *is* the
+  of two: Inductor's decode kernel needs the batch size static, so each power of two
+  is compiled once), and its block-table row *is* the
   block mask's list of KV blocks (``BlockMask.from_kv_blocks``, one sparse block per
   page). A ``mask_mod`` maps each slot back to its logical position through a
   physical-to-logical page table (causal, window). The kernel multiplies every row of
@@ -22,8 +23,8 @@ Two ways to present the pages to ``flex_attention`` (``mode``; ``"auto"`` picks)
   every row sees whole marked full (no ``mask_mod`` evaluated there).
 
 Compilation: ``torch.compile(flex_attention, fullgraph=True, dynamic=True)``, compiled
-once per process; token counts, key counts and the (bucketed) batch are symbolic, so
-steps of new lengths reuse the compiled kernel (a size of 1 is its own specialisation).
+once per process; token and key counts are symbolic (the page_table mode's batch is
+static, in powers of two), so steps of new lengths reuse the compiled kernel.
 The ``mask_mod``s capture only tensors and per-layer constants (block size, window,
 causality). Where Inductor cannot lower a call the op runs ``flex_attention`` eagerly
 (unfused: it materialises the scores, so always over gathered K/V) and says why in
@@ -626,10 +627,13 @@ def _run_page_table(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, *,
         batch, ("page_table", kv.num_blocks, bs, causal, sliding_window),
         lambda: _page_block_mask(batch, kv, causal=causal, window=sliding_window))
     q4, idx = _padded_queries(query, batch, t.rows, t.q_len)
+    # Inductor runs its decode kernel (GQA heads of a kv head in one tile, split-KV)
+    # only for a batch size known when compiling: one compile per power of two.
+    torch._dynamo.mark_static(q4, 0)
     k4 = kv.key.data.flatten(0, 1).transpose(0, 1).unsqueeze(0)     # [1, H, nb*bs, D], a view
     v4 = kv.value.data.flatten(0, 1).transpose(0, 1).unsqueeze(0)
     options = dict(kernel_options or {})
-    if bs < 64:  # a kernel key tile must divide the mask's (one page)
+    if bs < 128:  # a kernel key tile must divide the mask's (one page)
         options.setdefault("BLOCK_N", bs)
     out, lse = _call_flex(q4, k4, v4, block_mask=t.block_mask,
                           score_mod=_soft_cap_mod(logits_soft_cap), scale=scale,
