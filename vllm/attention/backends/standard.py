@@ -272,7 +272,7 @@ class StandardImpl(AttentionImpl[SM]):
         chosen = choose_path(
             call.query, call.kv, call.meta, causal=call.causal,
             sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
-            tree_mask=call.tree_mask, path="auto" if path == "triton" else "torch",
+            tree_mask=call.tree_mask, paged="triton" if path == "triton" else "torch",
         )
         paged_attention(
             call.query, call.kv, call.meta, scale=spec.scale, output=call.output,

@@ -206,19 +206,22 @@ def choose_path(
     logits_soft_cap: float | None = None,
     tree_mask: torch.Tensor | None = None,
     path: PathName = "auto",
+    paged: Literal["triton", "torch"] | None = None,
 ) -> RunPath:
     """The path :func:`paged_attention` runs for this call.
 
-    ``auto`` on CUDA: torch's flash varlen kernel for compute-heavy prefills it takes
-    (:mod:`vllm.attention.ops.flash_varlen`), else the paged Triton kernel, else torch.
-    Elsewhere torch (the CPU interpreter runs Triton only when ``path="triton"`` asks).
-    A named ``path`` is returned as is (:func:`resolve_path` checks ``triton``).
+    ``auto``: the paged kernel ``paged`` names (None: :func:`resolve_path`'s, Triton
+    on CUDA when it imports, else torch); with Triton, torch's flash varlen kernel
+    takes the compute-heavy prefills it computes exactly
+    (:mod:`vllm.attention.ops.flash_varlen`), and the torch path the caches Triton
+    refuses. A named ``path`` is returned as is (``triton`` checked by
+    :func:`resolve_path`).
     """
-    if path == "flash_varlen":
-        return "flash_varlen"
-    chosen = resolve_path(kv.device, path)
-    if chosen != "triton" or path != "auto":
-        return chosen
+    if path != "auto":
+        return resolve_path(kv.device, path) if path == "triton" else path
+    base = resolve_path(kv.device) if paged is None else paged
+    if base == "torch":
+        return "torch"
     from vllm.attention.ops import flash_varlen as fv
 
     if fv.flash_varlen_unavailable(kv.device) is None and fv.flash_varlen_rejects(
