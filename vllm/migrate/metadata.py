@@ -164,36 +164,43 @@ def _rewrite_constructor_calls(plan: Plan, cls: ClassInfo, fields: list[str]) ->
             plan.mark(info.statement_of(call), f"{cls.name}(...) is called with *args/**kwargs",
                       f"call {cls.name} with keywords only, without slot_mapping")
             continue
-        pairs: list[tuple[str, cst.Arg]] = []
+        keep: list[tuple[int, str]] = []  # index of each argument kept, with its field
         for i, arg in enumerate(call.args):
             name = arg.keyword.value if arg.keyword is not None else fields[i]
             if name != "slot_mapping":
-                pairs.append((name, arg))
-        converted = any(arg.keyword is None for _, arg in pairs)
-        if converted:
-            plan.replace(call, _keyword_call(info, call, cls.name, pairs))
-        elif len(pairs) != len(call.args):
-            kept = [arg for _, arg in pairs]
-            if kept:
-                kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
-            plan.edit(call, _with_args(kept))
+                keep.append((i, name))
+        converted = any(call.args[i].keyword is None for i, _ in keep)
+        if converted or len(keep) != len(call.args):
+            plan.edit(call, _call_edit(info, call, keep, converted))
 
 
-def _with_args(args: list[cst.Arg]) -> Callable[[cst.Call], cst.Call]:
-    return lambda updated: updated.with_changes(args=args)
-
-
-def _keyword_call(info: ModuleInfo, call: cst.Call, name: str,
-                  pairs: list[tuple[str, cst.Arg]]) -> cst.BaseExpression:
-    """``name(field=value, ...)``: one line where it fits, else one argument a line."""
-    values = [(f, info.module.code_for_node(a.value).strip()) for f, a in pairs]
-    one = f"{name}({', '.join(f'{f}={v}' for f, v in values)})"
+def _call_edit(info: ModuleInfo, call: cst.Call, keep: list[tuple[int, str]],
+               converted: bool) -> Callable[[cst.Call], cst.BaseExpression]:
+    """The edit of one metadata constructor call (on its updated arguments, which other
+    edits may have changed): keep ``keep``, and with ``converted``, all as keywords."""
     column = info.column(call)
+
+    def edit(updated: cst.Call) -> cst.BaseExpression:
+        args = [updated.args[i] for i, _ in keep]
+        if not converted:
+            if args:
+                args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            return updated.with_changes(args=args)
+        values = [(name, info.module.code_for_node(a.value).strip())
+                  for a, (_, name) in zip(args, keep)]
+        return _keyword_call(info.module.code_for_node(updated.func), values, column)
+
+    return edit
+
+
+def _keyword_call(func: str, values: list[tuple[str, str]], column: int) -> cst.BaseExpression:
+    """``func(field=value, ...)``: one line where it fits, else one argument a line."""
+    one = f"{func}({', '.join(f'{f}={v}' for f, v in values)})"
     if column + len(one) <= 99 or any("\n" in v for _, v in values):
         return expression(one)
     # continuation lines are indented relative to the statement's block
     inner = "".join(f"    {f}={v},\n" for f, v in values)
-    return expression(f"{name}(\n{inner})")
+    return expression(f"{func}(\n{inner})")
 
 
 def rewrite_builder(plan: Plan, cls: ClassInfo, meta: str) -> None:

@@ -263,12 +263,12 @@ class _Analysis:
             return None
         if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
             call = small.value
-            name = dotted(call.func) or ""
-            last = name.rpartition(".")[2]
+            func = call.func
+            last = func.attr.value if isinstance(func, cst.Attribute) else (
+                func.value if isinstance(func, cst.Name) else "")
             if last in WRITE_OPS:
                 slot = any(self.taints(a.value) for a in call.args)
                 return ("slot" if slot else "other"), Write(line, WRITE_OPS[last], code)
-            func = call.func
             receiver_view = isinstance(func, cst.Attribute) and self.cache_view(func.value)
             first_view = bool(call.args) and self.cache_view(call.args[0].value)
             inplace = last.endswith("_") and not last.endswith("__")
