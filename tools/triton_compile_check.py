@@ -157,7 +157,10 @@ def record_paged(target: Target) -> list[Call]:
              (KVCacheLayout.LEGACY_PAGED, "auto", torch.float16, [3, 1], [5, 20]),
              (KVCacheLayout.AITER_SHUFFLED, "auto", torch.bfloat16, [3, 1], [5, 20]),
              (KVCacheLayout.PER_TOKEN_HEAD_QUANT, "int8_per_token_head", torch.bfloat16,
-              [2, 1], [0, 33])]
+              [2, 1], [0, 33]),
+             # a long prefill (128-row tiles, 8 warps, edge-only masks) and a split-K decode
+             (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1100, 1], [0, 40]),
+             (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1, 1], [2047, 1500])]
     with patched(tpa, triton_unavailable_reason=lambda device: None,  # record on CPU tensors
                  interpreter_active=lambda: False), \
          patched(kern, paged_attention_kernel=Recorder("paged", kern.paged_attention_kernel,
