@@ -11,6 +11,7 @@ import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from vllm.migrate.report import MigrationError
+from vllm.migrate.source import parse_source
 
 LEGACY_MODULES = frozenset({
     "vllm.attention.backends.abstract",
@@ -99,6 +100,8 @@ class ModuleInfo:
     """Module-level ``NAME = <value>`` assignments (the last one of each name)."""
     positions: Mapping[cst.CSTNode, CodeRange] = field(default_factory=dict, repr=False)
     """Where each node of ``module`` starts and ends."""
+    foreign: dict[Path, ModuleInfo] = field(default_factory=dict, repr=False)
+    """Other modules of the project read for a base class, by file."""
     metadata_class: str = ""
     """The backend's metadata class, once known."""
     metadata_fields: list[str] = field(default_factory=list)
@@ -436,7 +439,53 @@ def is_legacy_backend(info: ModuleInfo, cls: ClassInfo) -> bool:
                for b in c.bases):
             return True
     methods = info.methods_of(cls)
-    return all(m in methods for m in LEGACY_REQUIRED)
+    return all(m in methods for m in LEGACY_REQUIRED) or imported_base(info, cls) is not None
+
+
+def package_root(path: Path) -> Path:
+    """The directory above the outermost package holding ``path``."""
+    folder = path.resolve().parent
+    while (folder / "__init__.py").is_file():
+        folder = folder.parent
+    return folder
+
+
+def module_file(info: ModuleInfo, module: str) -> Path | None:
+    """The source file of ``module`` as ``info``'s module imports it (a relative import,
+    or an absolute one inside the same tree), or None."""
+    if module.startswith("."):
+        dots = len(module) - len(module.lstrip("."))
+        base = info.path.resolve().parent
+        for _ in range(dots - 1):
+            base = base.parent
+        rest = module.lstrip(".").replace(".", "/")
+    else:
+        base, rest = package_root(info.path), module.replace(".", "/")
+    for candidate in (base / f"{rest}.py", base / rest / "__init__.py"):
+        if rest and candidate.is_file():
+            return candidate
+    return None
+
+
+def imported_base(info: ModuleInfo, cls: ClassInfo) -> tuple[ModuleInfo, ClassInfo] | None:
+    """The legacy backend ``cls`` subclasses from another module of the same project
+    (a plugin deriving from a backend it imports), read from that module's source."""
+    for base in cls.bases:
+        module, _, name = base.rpartition(".")
+        if base in info.classes or not module or is_legacy_module(module) or \
+                base in NEW_BACKEND_BASES or module in ("torch", "abc", "typing"):
+            continue
+        path = module_file(info, module)
+        if path is None:
+            continue
+        other = info.foreign.get(path)
+        if other is None:
+            other = read_module(path, parse_source(path, path.read_text(encoding="utf-8")))
+            info.foreign[path] = other
+        found = other.classes.get(name)
+        if found is not None and is_legacy_backend(other, found):
+            return other, found
+    return None
 
 
 def choose_backend(info: ModuleInfo, class_name: str | None) -> ClassInfo:

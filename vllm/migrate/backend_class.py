@@ -48,11 +48,13 @@ def _declare(name: str, kind: str, value: str) -> str:
     return f"    {name}: ClassVar[{kind}] = {head}(\n        {inner}\n    )\n"
 
 
-def _declaration_lines(d: Declarations) -> str:
+def _declaration_lines(d: Declarations, *, layout: bool = True) -> str:
     lines = []
     if d.name is not None:
         lines.append(_declare("name", "str", f'"{d.name}"'))
-    lines.append(_declare("kv_cache_layout", "KVCacheLayout", f"KVCacheLayout.{d.layout.name}"))
+    if layout:
+        lines.append(_declare("kv_cache_layout", "KVCacheLayout",
+                              f"KVCacheLayout.{d.layout.name}"))
     if d.supported_dtypes is not None:
         dtypes = ", ".join(f"torch.{n}" for n in sorted_dtypes(d.supported_dtypes))
         lines.append(_declare("supported_dtypes", "frozenset[torch.dtype]",
@@ -76,17 +78,19 @@ def _declaration_lines(d: Declarations) -> str:
     return "".join(lines)
 
 
-def _piece_methods(p: Pieces) -> str:
-    return (
+def _piece_methods(p: Pieces, only: frozenset[str] | None = None) -> str:
+    """The classmethods naming the pieces (``only``: those a derived backend overrides)
+    and, for a backend of its own, the writer of its layout."""
+    pieces = (("get_impl_cls", p.impl.name), ("get_builder_cls", p.builder.name),
+              ("get_metadata_cls", p.metadata.name))
+    text = "".join(
         "    @classmethod\n"
-        f"    def get_impl_cls(cls) -> type[{p.impl.name}]:\n"
-        f"        return {p.impl.name}\n\n"
-        "    @classmethod\n"
-        f"    def get_builder_cls(cls) -> type[{p.builder.name}]:\n"
-        f"        return {p.builder.name}\n\n"
-        "    @classmethod\n"
-        f"    def get_metadata_cls(cls) -> type[{p.metadata.name}]:\n"
-        f"        return {p.metadata.name}\n\n"
+        f"    def {method}(cls) -> type[{name}]:\n"
+        f"        return {name}\n\n"
+        for method, name in pieces if only is None or method in only)
+    if only is not None:
+        return text
+    return text + (
         "    @classmethod\n"
         '    def get_kv_cache_writer(cls, cache_dtype: KVCacheDType = "auto") -> KVCacheWriter:\n'
         "        if cache_dtype not in cls.supported_kv_cache_dtypes:\n"
@@ -115,21 +119,29 @@ def _referenced_elsewhere(plan: Plan, cls: ClassInfo, attr: str) -> bool:
     return found
 
 
-def rewrite_backend(plan: Plan, pieces: Pieces, decl: Declarations, layout_note: str | None
-                    ) -> None:
+def rewrite_backend(plan: Plan, pieces: Pieces, decl: Declarations, layout_note: str | None,
+                    *, derived: bool = False) -> None:
+    """``derived``: the backend subclasses a legacy backend of another module (migrated
+    on its own): its base stays, and it declares only what it overrides."""
     info = plan.info
     cls = pieces.backend
     meta = pieces.metadata.name
     plan.need("typing", "ClassVar")
-    plan.need("torch")
-    plan.need("vllm.attention", "AttentionBackend", "KVCacheLayout", "KVCacheDType",
-              "KVCacheWriter", "InvalidArgumentError")
-    plan.need("vllm.attention.writers", "writer_for_layout")
+    if not derived:
+        plan.need("torch")
+        plan.need("vllm.attention", "AttentionBackend", "KVCacheLayout", "KVCacheDType",
+                  "KVCacheWriter", "InvalidArgumentError")
+        plan.need("vllm.attention.writers", "writer_for_layout")
+    if decl.supported_dtypes is not None:
+        plan.need("torch")
+    if decl.supported_kv_cache_dtypes is not None:
+        plan.need("vllm.attention", "KVCacheDType")
     if decl.block_sizes is not None or decl.head_sizes is not None:
         plan.need("vllm.attention", "SizeSpec")
     if decl.attention_types is not None and decl.attention_types != (AttentionType.DECODER,):
         plan.need("vllm.attention", "AttentionType")
-    _set_base(plan, cls, f"AttentionBackend[{meta}]", legacy_base="AttentionBackend")
+    if not derived:
+        _set_base(plan, cls, f"AttentionBackend[{meta}]", legacy_base="AttentionBackend")
 
     body = class_body(cls.node)
     anchor = next((s for s in body if isinstance(s, cst.FunctionDef) and s.name.value in (
@@ -161,12 +173,15 @@ def rewrite_backend(plan: Plan, pieces: Pieces, decl: Declarations, layout_note:
             plan.mark(stmt, f"{name}() is a legacy hook the new API never calls",
                       HOOK_ADVICE.get(name, f"express what {name}() says as a declaration "
                                             "or delete it"))
-    declarations = _declaration_lines(decl)
+    declarations = _declaration_lines(decl, layout=not derived)
     if layout_note:
         note = textwrap.wrap(layout_note, width=MARKER_WIDTH)
         declarations = "".join(f"    # {line}\n" for line in note) + declarations
     new_decl = statements_from(declarations)
-    new_methods = statements_from(_piece_methods(pieces))
+    overridden = frozenset(m for m in ("get_impl_cls", "get_builder_cls", "get_metadata_cls")
+                           if m in cls.methods)
+    new_methods = statements_from(_piece_methods(pieces, overridden if derived else None)) \
+        if overridden or not derived else []
     if decl.name is None:
         plan.mark(cls.node, "get_name() is not literal, so name was not derived from it",
                   "declare name as class data")
@@ -180,7 +195,9 @@ def rewrite_backend(plan: Plan, pieces: Pieces, decl: Declarations, layout_note:
         at = next((i for i, s in enumerate(rest) if isinstance(s, cst.FunctionDef)
                    and anchor is not None and s.name.value == anchor.name.value), None)
         methods = [_blank_before(m) for m in new_methods]
-        if at is None:
+        if not methods:
+            pass
+        elif at is None:
             rest = [*rest, *methods]
         else:
             anchor_now = rest[at]

@@ -56,9 +56,13 @@ does not."""
 
 
 def rewrite_impl(plan: Plan, cls: ClassInfo, meta: str, decl: Declarations,
-                 finding: WriteFinding | None, flagged: bool) -> None:
-    plan.need("vllm.attention", "AttentionImpl")
-    _set_base(plan, cls, f"AttentionImpl[{meta}]", legacy_base="AttentionImpl")
+                 finding: WriteFinding | None, flagged: bool, *, derived: bool = False,
+                 inherited: frozenset[str] = frozenset()) -> None:
+    """``derived``: ``cls`` subclasses an impl of another legacy module (migrated on its
+    own), so its base stays."""
+    if not derived:
+        plan.need("vllm.attention", "AttentionImpl")
+        _set_base(plan, cls, f"AttentionImpl[{meta}]", legacy_base="AttentionImpl")
     init = cls.methods.get("__init__")
     if init is not None:
         _rewrite_init(plan, cls, init, decl)
@@ -75,7 +79,7 @@ def rewrite_impl(plan: Plan, cls: ClassInfo, meta: str, decl: Declarations,
         layer = _layer_param(fn)
         if layer is not None and fn not in plan.remove:
             _rewrite_layer_reads(plan, fn, layer)
-    _legacy_state(plan, cls)
+    _legacy_state(plan, cls, inherited)
     process = cls.methods.get("process_weights_after_loading")
     if process is not None and any(not is_docstring(s) and plan.code(s) != "pass"
                                    for s in function_body(process)):
@@ -94,7 +98,8 @@ def _rewrite_init(plan: Plan, cls: ClassInfo, init: cst.FunctionDef, decl: Decla
     info = plan.info
     ps = params(init)[1:]
     positional = [p for p in ps if p not in init.params.kwonly_params]
-    used = _names(init.body)
+    supers = [s for s in function_body(init) if plan.code(s).startswith("super().__init__(")]
+    used = set().union(*(_names(s) for s in function_body(init) if s not in supers))
     assigned = _assigned_names(init)
     bindings: list[str] = []
     inline: dict[str, str] = {}
@@ -125,10 +130,9 @@ def _rewrite_init(plan: Plan, cls: ClassInfo, init: cst.FunctionDef, decl: Decla
             bindings.append(f"        {star.name.value}: "
                             f"{'dict[str, object]' if empty == '{}' else 'tuple[object, ...]'}"
                             f" = {empty}\n")
-    body = function_body(init)
-    for stmt in body:
-        if plan.code(stmt).startswith("super().__init__("):
-            plan.remove.add(stmt)
+    call = statements_from("super().__init__(spec)\n")[0]
+    for stmt in supers:  # the base's __init__ runs where it ran, now given the spec
+        plan.edit(stmt, lambda updated: call.with_changes(leading_lines=updated.leading_lines))
     plan.remove.update(decl.refusals_folded)
     for stmt in decl.refusals_left:
         plan.mark(stmt, "the impl refuses a configuration in __init__, which the new API "
@@ -136,11 +140,11 @@ def _rewrite_init(plan: Plan, cls: ClassInfo, init: cst.FunctionDef, decl: Decla
                   "declare the refusal as class data (supports_*, attention_types, "
                   "supported_kv_cache_dtypes) or in unsupported_reasons(), then delete it")
     plan.need("vllm.attention", "AttentionLayerSpec")
-    first = "        super().__init__(spec)\n" + "".join(bindings)
+    first = ("" if supers else "        super().__init__(spec)\n") + "".join(bindings)
 
     def edit(updated: cst.FunctionDef) -> cst.FunctionDef:
         new = with_signature(updated, ["self", "spec: AttentionLayerSpec"], "None")
-        return body_with(new, statements_from(first))
+        return body_with(new, statements_from(first)) if first else new
 
     plan.edit(init, edit)
 
@@ -303,8 +307,24 @@ def _rewrite_layer_reads(plan: Plan, fn: cst.FunctionDef, layer: str) -> None:
         plan.replace(node, expression(new.format(l=layer)))
 
 
-def _legacy_state(plan: Plan, cls: ClassInfo) -> None:
-    assigned: set[str] = set(cls.attrs)
+def legacy_state_reads(cls: ClassInfo) -> set[str]:
+    """The legacy impl base's attributes ``cls`` reads."""
+    found: set[str] = set()
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            if isinstance(node.value, cst.Name) and node.value.value == "self" and \
+                    node.attr.value in LEGACY_IMPL_STATE:
+                found.add(node.attr.value)
+
+    cls.node.visit(Visitor())
+    return found
+
+
+def _legacy_state(plan: Plan, cls: ClassInfo, inherited: frozenset[str]) -> None:
+    """Mark reads of the legacy base's state; ``inherited``: state a base of another
+    module sets or reads (its own migration marks it there)."""
+    assigned: set[str] = set(cls.attrs) | inherited
     reads: list[tuple[cst.Attribute, str]] = []
 
     class Visitor(cst.CSTVisitor):

@@ -67,6 +67,33 @@ class ImportPlan:
         self.needed.setdefault(module, set()).update(names)
 
 
+_NO_CONFIG = ("the new API passes no configuration object: take what you read from it "
+              "from the AttentionLayerSpec or the CommonAttentionMetadata")
+_NO_DCP = "the new API has no decode context parallelism: drop that path"
+LEGACY_ADVICE: Final[Mapping[str, str]] = {
+    "VllmConfig": _NO_CONFIG, "get_current_vllm_config": _NO_CONFIG,
+    "get_layers_from_vllm_config": _NO_CONFIG,
+    "CacheDType": "use vllm.attention.KVCacheDType",
+    "get_dcp_group": _NO_DCP, "get_dcp_local_seq_lens": _NO_DCP,
+    "init_logger": "use logging.getLogger (upstream's logger adds the *_once methods)",
+    "Attention": "use vllm.attention.layer.Attention",
+    "vllm_is_batch_invariant": "read your own setting",
+    "DeviceCapability": "compare torch.cuda.get_device_capability(device) in "
+                        "device_unsupported_reasons()",
+    "AttentionCGSupport": "the new builder declares no CUDA-graph support level: drop it",
+    "MultipleOf": "declare block_sizes as a SizeSpec",
+    "register_backend": "register with vllm.attention.registry.register_backend(cls), "
+                        "under cls.name",
+    "AttentionBackendEnum": "the new registry takes the backend's own name",
+}
+"""What to use instead of a legacy-surface name without a new-API counterpart."""
+
+
+def _advice(local: str, name: str, module: str) -> str:
+    advice = LEGACY_ADVICE.get(name or local)
+    return f"{local} ({module})" + (f": {advice}" if advice else "")
+
+
 def _alias_local(alias: cst.ImportAlias) -> str:
     if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
         return alias.asname.name.value
@@ -123,18 +150,20 @@ class ImportRewriter(cst.CSTTransformer):
                         self.plan.need(*new)
                         continue
                     names.append(alias)
-                    kept_legacy.append(f"{local} ({module})")
+                    kept_legacy.append(_advice(local, name, module))
                 wanted = self.plan.needed.pop(module, set()) if not is_legacy_module(module) \
                     and not small.relative else set()
                 have = {dotted(a.name) for a in names}
                 for extra in sorted(wanted - have):
                     names.append(cst.ImportAlias(name=cst.Name(extra)))
-                if names:
+                if len(names) == len(small.names) and not wanted - have:
+                    body.append(small)  # nothing dropped or added: as it was written
+                elif names:
                     if wanted - have and all(a.asname is None for a in names):
                         body.append(_from_import(module, [dotted(a.name) or "" for a in names]
                                                  ).body[0])
                         continue
-                    last = names[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                    last = names[-1].with_changes(comma=small.names[-1].comma)
                     body.append(small.with_changes(names=[*names[:-1], last]))
             elif isinstance(small, cst.Import):
                 names = []
@@ -144,9 +173,11 @@ class ImportRewriter(cst.CSTTransformer):
                     if is_legacy_module(full):
                         if local not in self.used:
                             continue
-                        kept_legacy.append(f"{local} ({full})")
+                        kept_legacy.append(_advice(local, "", full))
                     names.append(alias)
-                if names:
+                if len(names) == len(small.names):
+                    body.append(small)
+                elif names:
                     last = names[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
                     body.append(small.with_changes(names=[*names[:-1], last]))
             else:
@@ -157,8 +188,7 @@ class ImportRewriter(cst.CSTTransformer):
         if kept_legacy:
             step = ManualStep(
                 "still imported from the legacy surface, which shim's removal takes away",
-                f"replace {', '.join(kept_legacy)} with new-API code (vllm.attention) or "
-                "your own")
+                "replace " + "; ".join(kept_legacy))
             self.plan.steps.append(step)
             result = result.with_changes(leading_lines=[
                 *result.leading_lines,
@@ -195,7 +225,9 @@ class ImportRewriter(cst.CSTTransformer):
                 body.insert(at, definition.with_changes(leading_lines=two))
         for stmt in additions:
             index = _insert_at(body, _statement_module(stmt))
-            if index < len(body) and _statement_module(body[index]):
+            ends_group = index > 0 and _same_group(_statement_module(body[index - 1]),
+                                                   _statement_module(stmt))
+            if index < len(body) and _statement_module(body[index]) and not ends_group:
                 displaced = body[index]  # the new import takes its place and blank lines
                 assert isinstance(displaced, cst.SimpleStatementLine)
                 lines = list(displaced.leading_lines)
@@ -285,6 +317,15 @@ def _only_imports(stmt: cst.BaseStatement) -> bool:
     return all(isinstance(b, cst.IndentedBlock) and all(
         _is_import_line(s) or (isinstance(s, cst.SimpleStatementLine) and all(
             isinstance(x, cst.Pass) for x in s.body)) for s in b.body) for b in blocks)
+
+
+def _same_group(a: str, b: str) -> bool:
+    """Whether two imports sort into one group (standard library, or one package)."""
+    if not a or not b:
+        return False
+    if _is_stdlib(a) or _is_stdlib(b):
+        return _is_stdlib(a) and _is_stdlib(b) and "__future__" not in (a, b)
+    return a.split(".")[0] == b.split(".")[0]
 
 
 def _is_stdlib(module: str) -> bool:

@@ -70,6 +70,14 @@ _COMPARE: Final[Mapping[type[cst.BaseCompOp], Callable[[Any, Any], Any]]] = {
 }
 
 
+_METHODS: Final[Mapping[str, tuple[type, Callable[..., object]]]] = {
+    "get": (dict, dict.get),
+    "startswith": (str, str.startswith),
+    "endswith": (str, str.endswith),
+}
+"""Methods of literal values the evaluator follows."""
+
+
 class _Stop(Exception):
     """Control flow of the evaluated function: a return, a raise, or code not followed."""
 
@@ -276,6 +284,13 @@ class Evaluator:
         args = [self._expr(a.value, env) for a in node.args if a.keyword is None and not a.star]
         if NOT_LITERAL in args:
             return NOT_LITERAL
+        func = node.func
+        if isinstance(func, cst.Attribute) and func.attr.value in _METHODS and not any(
+                a.keyword or a.star for a in node.args):
+            receiver = self._expr(func.value, env)  # dict.get, str.startswith on literals
+            kind, method = _METHODS[func.attr.value]
+            if isinstance(receiver, kind):
+                return method(receiver, *args)
         if last == "MultipleOf" and len(args) == 1 and isinstance(args[0], int):
             return MultipleOfSize(args[0])
         if last == "get_kv_cache_layout" and not args:

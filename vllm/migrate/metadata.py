@@ -159,17 +159,19 @@ def _rewrite_constructor_calls(plan: Plan, cls: ClassInfo, fields: list[str]) ->
 
     info.module.visit(Visitor())
     for call in calls:
-        if any(a.star for a in call.args) or sum(a.keyword is None for a in call.args) > len(
-                fields):
+        if any(a.star == "*" for a in call.args) or sum(
+                a.keyword is None and not a.star for a in call.args) > len(fields):
             plan.mark(info.statement_of(call), f"{cls.name}(...) is called with *args/**kwargs",
                       f"call {cls.name} with keywords only, without slot_mapping")
             continue
         keep: list[tuple[int, str]] = []  # index of each argument kept, with its field
         for i, arg in enumerate(call.args):
-            name = arg.keyword.value if arg.keyword is not None else fields[i]
+            name = arg.keyword.value if arg.keyword is not None else (
+                "**" if arg.star else fields[i])
             if name != "slot_mapping":
                 keep.append((i, name))
-        converted = any(call.args[i].keyword is None for i, _ in keep)
+        converted = any(call.args[i].keyword is None and not call.args[i].star
+                        for i, _ in keep)
         if converted or len(keep) != len(call.args):
             plan.edit(call, _call_edit(info, call, keep, converted))
 
@@ -187,7 +189,7 @@ def _call_edit(info: ModuleInfo, call: cst.Call, keep: list[tuple[int, str]],
                 args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
             return updated.with_changes(args=args)
         values = [(name, info.module.code_for_node(a.value).strip())
-                  for a, (_, name) in zip(args, keep)]
+                  for a, (_, name) in zip(args, keep)]  # ** keeps its name: "**=x" below
         return _keyword_call(info.module.code_for_node(updated.func), values, column)
 
     return edit
@@ -195,11 +197,12 @@ def _call_edit(info: ModuleInfo, call: cst.Call, keep: list[tuple[int, str]],
 
 def _keyword_call(func: str, values: list[tuple[str, str]], column: int) -> cst.BaseExpression:
     """``func(field=value, ...)``: one line where it fits, else one argument a line."""
-    one = f"{func}({', '.join(f'{f}={v}' for f, v in values)})"
+    values = [(f"**{v}", "") if f == "**" else (f, v) for f, v in values]
+    one = f"{func}({', '.join(f'{f}={v}' if v else f for f, v in values)})"
     if column + len(one) <= 99 or any("\n" in v for _, v in values):
         return expression(one)
     # continuation lines are indented relative to the statement's block
-    inner = "".join(f"    {f}={v},\n" for f, v in values)
+    inner = "".join(f"    {f}={v},\n" if v else f"    {f},\n" for f, v in values)
     return expression(f"{func}(\n{inner})")
 
 

@@ -3,6 +3,7 @@ apply them, and list what is left for a person."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import libcst as cst
@@ -13,20 +14,29 @@ from vllm.migrate.analysis import (
     ModuleInfo,
     Pieces,
     choose_backend,
-    is_legacy_module,
     find_pieces,
+    imported_base,
     is_legacy_backend,
+    is_legacy_module,
+    module_file,
     params,
     read_module,
+    single_return,
 )
 from vllm.migrate.backend_class import rewrite_backend
-from vllm.migrate.declarations import read_declarations
-from vllm.migrate.impl import rewrite_impl
+from vllm.migrate.declarations import Declarations, read_declarations
+from vllm.migrate.impl import legacy_state_reads, rewrite_impl
 from vllm.migrate.imports import ImportRewriter, used_names
 from vllm.migrate.layout import SPLIT_FAMILY, infer_layout
 from vllm.migrate.metadata import metadata_fields, rewrite_builder, rewrite_metadata
 from vllm.migrate.plan import Apply, Plan, expression
-from vllm.migrate.report import MARKER, MARKER_CONTINUED, ManualStep, MigrationError, MigrationResult
+from vllm.migrate.report import (
+    MARKER,
+    MARKER_CONTINUED,
+    ManualStep,
+    MigrationError,
+    MigrationResult,
+)
 from vllm.migrate.source import Target, parse_source, read_source
 from vllm.migrate.writes import WriteFinding, find_writes
 
@@ -45,6 +55,9 @@ def migrate(target: Target) -> MigrationResult:
 def migrate_source(path: Path, text: str, class_name: str | None = None) -> MigrationResult:
     info = read_module(path, parse_source(path, text))
     backend = choose_backend(info, class_name)
+    base = imported_base(info, backend)
+    if base is not None:
+        return _migrate_derived(info, backend, *base)
     _refuse_local_bases(info, backend)
     pieces = find_pieces(info, backend)
     _refuse_mla(info, pieces)
@@ -81,13 +94,102 @@ def migrate_source(path: Path, text: str, class_name: str | None = None) -> Migr
     if found.note:
         plan.notes.append(found.note)
 
-    module = info.module.visit(Apply(plan))
-    module = module.visit(ImportRewriter(used_names(module), plan.imports))
-    code = module.code
+    code = _apply(plan)
     return MigrationResult(
         source=path, class_name=backend.name, backend_name=decl.name or backend.name,
         generation="flagged" if flagged else "fused", layout=layout.name, code=code,
         manual_steps=manual_steps(code), notes=plan.notes)
+
+
+def _migrate_derived(info: ModuleInfo, backend: ClassInfo, base_info: ModuleInfo,
+                     base: ClassInfo) -> MigrationResult:
+    """A backend that subclasses a legacy backend of another module of the project (a
+    plugin deriving from it): that module is migrated on its own; here the subclass
+    keeps its bases, declares what it overrides, and its impl gets the new signatures."""
+    base_pieces = find_pieces(base_info, base)
+    flagged = _is_flagged(base_info, base_pieces)
+    layout = infer_layout(base_info, base).layout
+    impl = _local_piece(info, backend, "get_impl_cls")
+    for method in ("get_builder_cls", "get_metadata_cls"):
+        if _local_piece(info, backend, method) is not None:
+            raise MigrationError(
+                f"{info.path}: {backend.name}.{method}() returns a class of this module while "
+                f"its base {base.name} is migrated on its own: the command migrates a derived "
+                "backend that keeps its base's metadata and builder")
+    pieces = Pieces(backend, impl or base_pieces.impl, base_pieces.builder, base_pieces.metadata)
+    full = read_declarations(info, pieces, layout)
+    sources = set(backend.methods) | set(backend.attrs)
+    decl = Declarations(name=full.name if "get_name" in sources else None, layout=layout)
+    for declaration, legacy in _SOURCES.items():
+        if sources & legacy:
+            setattr(decl, declaration, getattr(full, declaration))
+    decl.unresolved = {k: v for k, v in full.unresolved.items() if k in sources}
+    if impl is not None:
+        decl.supports_sliding_window = full.supports_sliding_window
+        decl.supports_logits_soft_cap = full.supports_logits_soft_cap
+        decl.refusals_folded, decl.refusals_left = full.refusals_folded, full.refusals_left
+    plan = Plan(info)
+    if impl is not None:
+        forward = impl.methods.get("forward")
+        finding = _writes_of(info, forward, FORWARD_CACHE_ARG, None)
+        meta = _annotation(info, forward, 6) or base_pieces.metadata.name
+        rewrite_impl(plan, impl, meta, decl, finding, flagged, derived=True,
+                     inherited=frozenset(legacy_state_reads(base_pieces.impl)))
+    rewrite_backend(plan, pieces, decl, None, derived=True)
+    _legacy_helpers(plan)
+    names = {base.name, base_pieces.impl.name, base_pieces.metadata.name,
+             base_pieces.builder.name}
+    module = base_info.path
+    shown = os.path.relpath(module)
+    if shown.startswith(".."):
+        shown = str(module)
+    for imported in info.imports.values():
+        if imported.qualified.rpartition(".")[2] in names and imported.module and \
+                module_file(info, imported.module) == module:
+            plan.mark(imported.statement, f"{imported.module} is a legacy backend module",
+                      f"migrate it too (vllm-attn migrate {shown}) and import "
+                      f"{', '.join(sorted(n for n in names if n in info.imports))} from the "
+                      "migrated module")
+    code = _apply(plan)
+    return MigrationResult(
+        source=info.path, class_name=backend.name, backend_name=decl.name or backend.name,
+        generation="flagged" if flagged else "fused", layout=layout.name, code=code,
+        manual_steps=manual_steps(code),
+        notes=[*plan.notes, f"{backend.name} keeps its base {base.name} "
+               f"({base_info.path}), which is migrated on its own"])
+
+
+_SOURCES = {
+    "supported_dtypes": {"get_supported_dtypes", "supports_dtype", "supported_dtypes"},
+    "supported_kv_cache_dtypes": {"get_supported_kv_cache_dtypes", "supports_kv_cache_dtype",
+                                  "supported_kv_cache_dtypes"},
+    "block_sizes": {"get_supported_block_sizes", "supports_block_size",
+                    "get_supported_kernel_block_sizes", "get_kv_cache_shape"},
+    "head_sizes": {"get_supported_head_sizes", "supports_head_size"},
+    "attention_types": {"supports_attn_type"},
+}
+"""Each declaration and the legacy methods or class lists it is read from."""
+
+
+def _local_piece(info: ModuleInfo, backend: ClassInfo, method: str) -> ClassInfo | None:
+    fn = backend.methods.get(method)
+    value = single_return(fn) if fn is not None else None
+    if isinstance(value, cst.Name):
+        return info.classes.get(value.value)
+    return None
+
+
+def _annotation(info: ModuleInfo, fn: cst.FunctionDef | None, index: int) -> str | None:
+    if fn is None:
+        return None
+    ps = params(fn)
+    ann = ps[index].annotation if len(ps) > index else None
+    return info.module.code_for_node(ann.annotation).strip() if ann is not None else None
+
+
+def _apply(plan: Plan) -> str:
+    module = plan.info.module.visit(Apply(plan))
+    return module.visit(ImportRewriter(used_names(module), plan.imports)).code
 
 
 def manual_steps(code: str) -> list[ManualStep]:
