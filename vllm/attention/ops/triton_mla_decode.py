@@ -101,7 +101,7 @@ def default_config(q_dtype: torch.dtype, gpu: GPU | None) -> MLADecodeConfig:
     if capability[0] == 9:
         # 64 heads (masked below 64): the M of a Hopper warpgroup MMA, which Ampere's
         # MMA would need in registers. 8 warps hold the [64, 512] float32 accumulator in
-        # 128 registers a thread: 226 in all for bf16 caches, 246 for fp8 ones
+        # 128 registers a thread: 226-234 in all for bf16 caches, 239 for fp8 ones
         return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
     if capability[0] >= 10:
         # the [64, 512] float32 accumulator and the scores exceed the 512 columns of
