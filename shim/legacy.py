@@ -1,22 +1,21 @@
 """The pre-split world, as legacy backends knew it.
 
 Legacy builders receive :data:`LegacyCommonAttentionMetadata` (upstream's
-``CommonAttentionMetadata``), which still has ``slot_mapping``; legacy fused backends may call :func:`reshape_and_cache_flash`.
+``CommonAttentionMetadata``), which still has ``slot_mapping``; legacy fused backends
+may call :func:`reshape_and_cache_flash`.
 Both exist only so old code runs unchanged through :func:`shim.adapt_legacy_backend`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from typing_extensions import deprecated
 
-from shim.warnings import LegacyBackendWarning
 from shim.upstream.backend import CommonAttentionMetadata  # type: ignore[deprecated]
 from shim.upstream.ops import write_flash_views
-
+from shim.warnings import LegacyBackendWarning
 
 LegacyCommonAttentionMetadata = CommonAttentionMetadata
 """What a legacy metadata builder is given: upstream's ``CommonAttentionMetadata``

@@ -22,11 +22,11 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import torch
 from typing_extensions import deprecated
 
+import vllm.attention.backend as new_api
 from shim.upstream.config import CacheDType, VllmConfig
 from shim.upstream.kv_cache_interface import AttentionSpec
 from shim.upstream.parallel import get_dcp_group, get_pcp_group
 from shim.upstream.platform import DeviceCapability
-import vllm.attention.backend as new_api
 from vllm.attention.types import AttentionType
 
 __all__ = [
@@ -317,8 +317,8 @@ class AttentionLayer(Protocol):
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor: ...
 
 
-@deprecated("the legacy AttentionImplBase: subclass vllm.attention.AttentionImpl (see migration_guide.md)",
-            category=None)
+@deprecated("the legacy AttentionImplBase: subclass vllm.attention.AttentionImpl "
+            "(see migration_guide.md)", category=None)
 class AttentionImplBase(abc.ABC, Generic[T]):
     """State every legacy impl has before its ``__init__`` runs (context parallelism)."""
 
@@ -427,8 +427,8 @@ class SparseMLAAttentionImpl(MLAAttentionImpl[T], Generic[T]):  # type: ignore[d
 
 
 @deprecated("the legacy CommonAttentionMetadata: new-style builders take "
-            "vllm.attention.CommonAttentionMetadata, which has no slot_mapping (see migration_guide.md)",
-            category=None)
+            "vllm.attention.CommonAttentionMetadata, which has no slot_mapping "
+            "(see migration_guide.md)", category=None)
 @dataclass
 class CommonAttentionMetadata:
     """The batch as a legacy builder is given it, with upstream's field names.

@@ -144,7 +144,8 @@ def _as_backend(obj: object, *, origin: str, name: str | None = None,
                 f"{origin}: name={name!r} for {obj.__qualname__}, whose name is {obj.name!r}; "
                 "a new-style backend is registered under its own name (declare another)")
         return obj
-    from shim.adapter import adapt_quietly, is_legacy_backend
+    from shim.adapter import adapt_quietly
+    from shim.declarations import is_legacy_backend
 
     if is_legacy_backend(obj):
         return adapt_quietly(obj, name=name, registered_at=registered_at)
