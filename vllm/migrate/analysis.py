@@ -129,6 +129,16 @@ class ModuleInfo:
         where = self.positions.get(node)
         return where.start.line if where is not None else 0
 
+    def ref(self, name: str, at: cst.CSTNode, *, annotation: bool) -> str:
+        """``name`` as code at ``at``: quoted when it is a class of this module defined
+        further down, so evaluating it there would fail (an annotation never is under
+        ``from __future__ import annotations``)."""
+        cls = self.classes.get(name)
+        future = self.imports.get("annotations")
+        if cls is None or (annotation and future is not None and future.module == "__future__"):
+            return name
+        return name if self.line(cls.node) <= self.line(at) else f'"{name}"'
+
     def qualify(self, name: str) -> str:
         """The qualified name of a dotted name as used in the module (``ops.x`` ->
         ``vllm._custom_ops.x``); names not imported stay as they are."""

@@ -9,7 +9,14 @@ from typing import Final
 import libcst as cst
 
 from vllm.attention.types import AttentionType
-from vllm.migrate.analysis import ClassInfo, Pieces, class_body, is_docstring, single_return
+from vllm.migrate.analysis import (
+    ClassInfo,
+    ModuleInfo,
+    Pieces,
+    class_body,
+    is_docstring,
+    single_return,
+)
 from vllm.migrate.declarations import CONSUMED, Declarations, size_spec_code, sorted_dtypes
 from vllm.migrate.literal import NOT_LITERAL, Evaluator
 from vllm.migrate.metadata import _set_base
@@ -78,14 +85,19 @@ def _declaration_lines(d: Declarations, *, layout: bool = True) -> str:
     return "".join(lines)
 
 
-def _piece_methods(p: Pieces, only: frozenset[str] | None = None) -> str:
+def _piece_methods(info: ModuleInfo, p: Pieces, only: frozenset[str] | None = None) -> str:
     """The classmethods naming the pieces (``only``: those a derived backend overrides)
     and, for a backend of its own, the writer of its layout."""
     pieces = (("get_impl_cls", p.impl.name), ("get_builder_cls", p.builder.name),
               ("get_metadata_cls", p.metadata.name))
+
+    def returns(name: str) -> str:
+        ref = info.ref(name, p.backend.node, annotation=True)
+        return f"type[{name}]" if ref == name else f'"type[{name}]"'
+
     text = "".join(
         "    @classmethod\n"
-        f"    def {method}(cls) -> type[{name}]:\n"
+        f"    def {method}(cls) -> {returns(name)}:\n"
         f"        return {name}\n\n"
         for method, name in pieces if only is None or method in only)
     if only is not None:
@@ -141,7 +153,8 @@ def rewrite_backend(plan: Plan, pieces: Pieces, decl: Declarations, layout_note:
     if decl.attention_types is not None and decl.attention_types != (AttentionType.DECODER,):
         plan.need("vllm.attention", "AttentionType")
     if not derived:
-        _set_base(plan, cls, f"AttentionBackend[{meta}]", legacy_base="AttentionBackend")
+        _set_base(plan, cls, f"AttentionBackend[{info.ref(meta, cls.node, annotation=False)}]",
+                  legacy_base="AttentionBackend")
 
     body = class_body(cls.node)
     anchor = next((s for s in body if isinstance(s, cst.FunctionDef) and s.name.value in (
@@ -180,7 +193,8 @@ def rewrite_backend(plan: Plan, pieces: Pieces, decl: Declarations, layout_note:
     new_decl = statements_from(declarations)
     overridden = frozenset(m for m in ("get_impl_cls", "get_builder_cls", "get_metadata_cls")
                            if m in cls.methods)
-    new_methods = statements_from(_piece_methods(pieces, overridden if derived else None)) \
+    new_methods = statements_from(_piece_methods(info, pieces,
+                                                 overridden if derived else None)) \
         if overridden or not derived else []
     if decl.name is None:
         plan.mark(cls.node, "get_name() is not literal, so name was not derived from it",

@@ -62,7 +62,8 @@ def rewrite_impl(plan: Plan, cls: ClassInfo, meta: str, decl: Declarations,
     own), so its base stays."""
     if not derived:
         plan.need("vllm.attention", "AttentionImpl")
-        _set_base(plan, cls, f"AttentionImpl[{meta}]", legacy_base="AttentionImpl")
+        _set_base(plan, cls, f"AttentionImpl[{plan.info.ref(meta, cls.node, annotation=False)}]",
+                  legacy_base="AttentionImpl")
     init = cls.methods.get("__init__")
     if init is not None:
         _rewrite_init(plan, cls, init, decl)
@@ -71,7 +72,8 @@ def rewrite_impl(plan: Plan, cls: ClassInfo, meta: str, decl: Declarations,
         plan.mark(cls.node, f"{cls.name} has no forward()",
                   "add forward(layer, query, key, value, kv_cache, attn_metadata, output)")
     else:
-        _rewrite_forward(plan, forward, meta, finding)
+        _rewrite_forward(plan, forward, plan.info.ref(meta, cls.node, annotation=True),
+                         finding)
     update = cls.methods.get("do_kv_cache_update")
     if update is not None and flagged:
         plan.remove.add(update)
@@ -79,6 +81,8 @@ def rewrite_impl(plan: Plan, cls: ClassInfo, meta: str, decl: Declarations,
         layer = _layer_param(fn)
         if layer is not None and fn not in plan.remove:
             _rewrite_layer_reads(plan, fn, layer)
+            if name != "forward":
+                _layer_annotation(plan, fn, layer)
     _legacy_state(plan, cls, inherited)
     process = cls.methods.get("process_weights_after_loading")
     if process is not None and any(not is_docstring(s) and plan.code(s) != "pass"
@@ -248,6 +252,7 @@ def _rewrite_forward(plan: Plan, fn: cst.FunctionDef, meta: str,
                       "compute without it: the slot mapping reaches only the writer")
     if added_output:
         _return_into(plan, fn, out)
+    _key_value_uses(plan, fn, kept[2:4], finding.removed if finding else set())
 
     def edit(updated: cst.FunctionDef) -> cst.FunctionDef:
         new = with_signature(updated, args, "torch.Tensor")
@@ -318,6 +323,68 @@ def legacy_state_reads(cls: ClassInfo) -> set[str]:
                 found.add(node.attr.value)
 
     cls.node.visit(Visitor())
+    return found
+
+
+LEGACY_LAYER_TYPES: Final = ("torch.nn.Module", "nn.Module", "AttentionLayer", "Attention")
+
+
+def _layer_annotation(plan: Plan, fn: cst.FunctionDef, layer: str) -> None:
+    """A helper of the impl that takes the layer as upstream's type takes the new layer
+    protocol (what forward hands it now)."""
+    for p in params(fn):
+        if p.name.value == layer and p.annotation is not None and plan.code(
+                p.annotation.annotation) in LEGACY_LAYER_TYPES:
+            plan.replace(p.annotation.annotation, expression("AttentionLayerProtocol"))
+            plan.need("vllm.attention.backend", "AttentionLayerProtocol")
+
+
+def _key_value_uses(plan: Plan, fn: cst.FunctionDef, names: list[str],
+                    removed: set[cst.CSTNode]) -> None:
+    """Statements that use ``key`` / ``value`` beyond a None check: the new API passes
+    None for cross-attention after its first step, where upstream's type said Tensor."""
+    info = plan.info
+    uses: list[cst.Name] = []
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Comparison(self, node: cst.Comparison) -> bool:
+            none = all(isinstance(c.comparator, cst.Name) and c.comparator.value == "None"
+                       and isinstance(c.operator, (cst.Is, cst.IsNot)) for c in node.comparisons)
+            return not (none and isinstance(node.left, cst.Name))
+
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            node.value.visit(self)
+            return False
+
+        def visit_Arg(self, node: cst.Arg) -> bool:
+            node.value.visit(self)
+            return False
+
+        def visit_Name(self, node: cst.Name) -> None:
+            if node.value in names:
+                uses.append(node)
+
+    fn.body.visit(Visitor())
+    marked: set[cst.CSTNode] = set()
+    for use in uses:
+        stmt = info.statement_of(use)
+        if stmt in removed or stmt in marked or any(
+                stmt in _nested(r) for r in removed):
+            continue
+        marked.add(stmt)
+        plan.mark(stmt, f"uses {' / '.join(names)}, which the new forward() gets as None "
+                  "for cross-attention after its first step",
+                  f"check {' and '.join(names)} for None before this use")
+
+
+def _nested(node: cst.CSTNode) -> set[cst.CSTNode]:
+    found: set[cst.CSTNode] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        for child in current.children:
+            found.add(child)
+            stack.append(child)
     return found
 
 

@@ -209,7 +209,7 @@ def _keyword_call(func: str, values: list[tuple[str, str]], column: int) -> cst.
 def rewrite_builder(plan: Plan, cls: ClassInfo, meta: str) -> None:
     info = plan.info
     plan.need("vllm.attention", "AttentionMetadataBuilder", "CommonAttentionMetadata")
-    _set_base(plan, cls, f"AttentionMetadataBuilder[{meta}]",
+    _set_base(plan, cls, f"AttentionMetadataBuilder[{info.ref(meta, cls.node, annotation=False)}]",
               legacy_base="AttentionMetadataBuilder")
     init = cls.methods.get("__init__")
     if init is not None:
@@ -219,7 +219,7 @@ def rewrite_builder(plan: Plan, cls: ClassInfo, meta: str) -> None:
         plan.mark(cls.node, f"{cls.name} has no build()",
                   f"add build(self, common: CommonAttentionMetadata) -> {meta}")
     else:
-        _rewrite_build(plan, build, meta)
+        _rewrite_build(plan, build, info.ref(meta, cls.node, annotation=True))
     for name, fn in cls.methods.items():
         if name in BUILDER_HOOKS:
             if _referenced(info, name, fn):
