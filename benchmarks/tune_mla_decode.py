@@ -42,6 +42,8 @@ VARIANTS: list[tuple[int, int, int, int, int, bool]] = [
     (64, 64, 4, 2, 2, True),     # value split, one warpgroup a program
     (64, 64, 8, 2, 2, True),     # value split, two
     (64, 32, 4, 2, 2, True),
+    (64, 32, 4, 1, 2, True),     # 112 KiB of shared memory: two programs an SM
+    (64, 16, 4, 2, 2, True),     # 111 KiB, pipelined: two programs an SM
     (16, 16, 4, 2, 1, True),     # Ampere-style MMA (spills on sm_90)
 ]
 SPLITS = {128: [None, 1, 2, 4], 16: [None, 2, 4, 8]}

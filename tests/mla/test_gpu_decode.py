@@ -86,6 +86,8 @@ VARIANTS = {  # name: MLADecodeConfig arguments
     "bh64-bn64-w4-s2-vsplit": dict(block_h=64, block_n=64, num_warps=4, num_stages=2,
                                    v_split=2),
     "bh64-bn128-w8-s1": dict(block_h=64, block_n=128, num_warps=8, num_stages=1),
+    "bh64-bn16-w4-s2-vsplit": dict(block_h=64, block_n=16, num_warps=4, num_stages=2,
+                                   v_split=2),
     "bh16-bn16-w4-s2": dict(block_h=16, block_n=16, num_warps=4, num_stages=2),
 }
 

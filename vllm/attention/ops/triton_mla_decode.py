@@ -129,6 +129,16 @@ def _nvidia(gpu: GPU | None) -> tuple[int, int] | None:
     return gpu.capability if gpu is not None and gpu.vendor == "nvidia" else None
 
 
+def _programs_per_sm(block_h: int, block_n: int, cfg: MLADecodeConfig) -> int:
+    """Programs an SM holds at once, estimated: a 64-head tile's query (72 KiB) and its
+    key stages take most of an H100's 227 KiB of shared memory unless the stages hold
+    32 rows or fewer (compiled: 110-112 KiB, so two fit), and 8 warps of a 64-head tile
+    take most of its registers."""
+    if block_h < 64:
+        return 2
+    return 2 if cfg.num_warps <= 4 and block_n * cfg.num_stages <= 32 else 1
+
+
 def choose_splits(*, num_tokens: int, programs_per_split: int, num_heads: int,
                   kv_lora_rank: int, max_seq_len: int, row_bytes: int, block_n: int,
                   slots: int) -> int:
@@ -261,8 +271,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     head_tiles = -(-n // block_h)
     splits = num_splits or cfg.num_splits
     if splits is None:
-        # a 64-head tile's query and key stages take most of an SM's shared memory
-        slots = num_sms * (1 if block_h >= 64 else 2)
+        slots = num_sms * _programs_per_sm(block_h, block_n, cfg)
         splits = choose_splits(num_tokens=t, programs_per_split=head_tiles * v_split,
                                num_heads=n, kv_lora_rank=L, max_seq_len=max_seq_len,
                                row_bytes=(L + R) * kv_cache.element_size(),
