@@ -180,7 +180,9 @@ def mla_decode_mma_kernel(
     # splits start at multiples of BLOCK_N, so a tile never straddles two pages
     per_split = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
     start = sp * per_split
-    end = tl.minimum(start + per_split, n_keys)
+    # a split past the keys is empty (end == start), never negative: the whole-tile
+    # count below must not round a negative length down
+    end = tl.maximum(tl.minimum(start + per_split, n_keys), start)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
