@@ -174,10 +174,11 @@ def _interpreting() -> bool:
 
 
 def _hw_fp8(gpu: GPU | None) -> bool:
-    """Whether the kernel widens E4M3 with the hardware conversion: NVIDIA sm_89+, and
-    the interpreter's own; elsewhere (ROCm, older GPUs) in integer code."""
+    """Whether the kernel widens E4M3 with the hardware conversion (NVIDIA sm_89+);
+    elsewhere (ROCm, older GPUs, the interpreter, whose own conversion reads NaN as
+    480) in integer code."""
     capability = _nvidia(gpu)
-    return gpu is None or (capability is not None and capability >= (8, 9))
+    return capability is not None and capability >= (8, 9)
 
 
 def _kernels(interpret: bool) -> tuple[Any, Any]:
