@@ -8,6 +8,7 @@ them is about the new API)."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -19,8 +20,23 @@ from vllm.migrate.check import compare, load_module
 from vllm.migrate.report import EXIT_MANUAL_STEPS
 
 UPSTREAM = LEGACY / "upstream"
-Step = tuple[str, list[tuple[str, str]]]
-"""A listed step's "what to do", and the edits (old text, new text) a person makes."""
+@dataclass(frozen=True)
+class Cut:
+    """An edit deleting the text from ``start`` up to (not including) ``end``."""
+
+    start: str
+    end: str
+
+    def apply(self, code: str) -> str:
+        assert code.count(self.start) == 1 and code.count(self.end) == 1, self
+        at = code.index(self.start)
+        return code[:at] + code[code.index(self.end, at):]
+
+
+Edit = tuple[str, str] | Cut
+Step = tuple[str, list[Edit]]
+"""A listed step's "what to do", and the edits a person makes for it: (old text, new
+text) pairs and cuts. A step whose statement an earlier step's edit removed has none."""
 
 NO_CONFIG = ("compute it from self.spec (AttentionLayerSpec) or per step in build() from the "
              "CommonAttentionMetadata")
@@ -110,7 +126,11 @@ def do_steps(source: Path, out: Path, steps: list[Step]) -> str:
     assert [where for where, _ in listed] == [f"{written}:{n}" for n in marked_lines(code)]
     fixed = unmark(code)
     for _, edits in steps:
-        for old, new in edits:
+        for edit in edits:
+            if isinstance(edit, Cut):
+                fixed = edit.apply(fixed)
+                continue
+            old, new = edit
             assert fixed.count(old) == 1, old
             fixed = fixed.replace(old, new)
     assert "# MIGRATE:" not in fixed
@@ -127,11 +147,15 @@ def check_same(source: Path, fixed: str, name: str, migrated: ModuleType | None 
 
 
 _LOCATION = re.compile(r"^[^:]+:\d+: (?:error|note): ")
+_ARGUMENT = re.compile(r"Argument \d+ to")
 
 
 def errors(path: Path) -> list[str]:
+    """mypy's errors, without their line and argument numbers (the migration moves
+    lines and drops the slot_mapping argument)."""
     lines = mypy_strict(path).stdout.splitlines()
-    return sorted(_LOCATION.sub("", line) for line in lines if ": error: " in line)
+    return sorted(_ARGUMENT.sub("Argument N to", _LOCATION.sub("", line))
+                  for line in lines if ": error: " in line)
 
 
 def check_types(source: Path, fixed: str, folder: Path) -> None:
@@ -151,5 +175,168 @@ def check_types(source: Path, fixed: str, folder: Path) -> None:
 def test_flash_attention_v0_10(tmp_path: Path) -> None:
     source = UPSTREAM / "flash_attn_v0_10.py"
     fixed = do_steps(source, tmp_path / "out", V0_10)
+    check_same(source, fixed, "FlashAttentionBackend")
+    check_types(source, fixed, tmp_path)
+
+
+CONFIG_IMPORT = ("replace get_current_vllm_config, get_layers_from_vllm_config (vllm.config): "
+                 "the new API passes no configuration object: take what you read from it from "
+                 "the AttentionLayerSpec or the CommonAttentionMetadata")
+NO_DCP = "the new API has no decode context parallelism: drop that path"
+KEY_VALUE = "check key and value for None before this use"
+
+FLAGGED: list[Step] = [
+    (CONFIG_IMPORT, [("from vllm.config import get_current_vllm_config, "
+                      "get_layers_from_vllm_config\n", "")]),
+    ("replace CacheDType (vllm.config.cache): use vllm.attention.KVCacheDType",
+     [("from vllm.config.cache import CacheDType\n", "")]),
+    (f"replace get_dcp_group (vllm.distributed.parallel_state): {NO_DCP}", [
+        ("from vllm.distributed.parallel_state import get_dcp_group\n", ""),
+        ("""\
+        try:
+            dcp = get_dcp_group()
+            self.dcp_world_size, self.dcp_rank = dcp.world_size, dcp.rank_in_group
+        except AssertionError:  # no distributed state (a builder made in a unit test)
+            self.dcp_world_size, self.dcp_rank = 1, 0
+""", "        self.dcp_world_size, self.dcp_rank = 1, 0  # no context parallelism here\n"),
+        Cut("    def _forward_with_dcp(", "    def _forward_encoder_attention("),
+    ]),
+    ("replace init_logger (vllm.logger): use logging.getLogger (upstream's logger adds the "
+     "*_once methods)", [
+         ("from vllm.logger import init_logger\n", ""),
+         ("logger = init_logger(__name__)\n", ""),
+     ]),
+    ("replace Attention (vllm.model_executor.layers.attention): use "
+     "vllm.attention.layer.Attention",
+     [("from vllm.model_executor.layers.attention import Attention\n", "")]),
+    ("replace vllm_is_batch_invariant (vllm.model_executor.layers.batch_invariant): read "
+     "your own setting", [
+         ("from vllm.model_executor.layers.batch_invariant import vllm_is_batch_invariant\n",
+          ""),
+         ("import dataclasses\n", "import dataclasses\nimport os\n"),
+         ("_NO_WINDOW = (-1, -1)\n", """\
+def vllm_is_batch_invariant() -> bool:
+    \"\"\"True when ``VLLM_BATCH_INVARIANT=1`` asks for batch-invariant kernels.\"\"\"
+    return os.environ.get("VLLM_BATCH_INVARIANT", "0").strip() == "1"
+
+
+_NO_WINDOW = (-1, -1)
+"""),
+     ]),
+    ("replace DeviceCapability (vllm.platforms.interface): compare "
+     "torch.cuda.get_device_capability(device) in device_unsupported_reasons()",
+     [("from vllm.platforms.interface import DeviceCapability\n", "")]),
+    ("replace MultipleOf (vllm.v1.attention.backend): declare block_sizes as a SizeSpec",
+     [("from vllm.v1.attention.backend import (\n    MultipleOf,\n)\n", "")]),
+    (f"replace get_dcp_local_seq_lens (vllm.v1.attention.backends.utils): {NO_DCP}", [
+        ("from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens\n", ""),
+        Cut("        if self.dcp_world_size > 1:\n            # this rank attends",
+            "        elif common_prefix_len > 0:"),
+        ("        elif common_prefix_len > 0:", "        if common_prefix_len > 0:"),
+    ]),
+    ("declare block_sizes as class data and delete get_supported_kernel_block_sizes", [
+        Cut("    @staticmethod\n    def get_supported_kernel_block_sizes(",
+            "    @classmethod\n    def get_impl_cls("),
+        ("    head_sizes: ClassVar[SizeSpec] = SizeSpec(multiple_of=8, min=8, max=256)\n",
+         "    head_sizes: ClassVar[SizeSpec] = SizeSpec(multiple_of=8, min=8, max=256)\n"
+         "    block_sizes: ClassVar[SizeSpec] = SizeSpec(multiple_of=16, min=16)\n"),
+    ]),
+    ("declare supported_kv_cache_dtypes as class data and delete supports_kv_cache_dtype", [
+        Cut("    @classmethod\n    def supports_kv_cache_dtype(",
+            "    @classmethod\n    def supports_sink("),
+        ("    block_sizes: ClassVar[SizeSpec] = SizeSpec(multiple_of=16, min=16)\n",
+         "    block_sizes: ClassVar[SizeSpec] = SizeSpec(multiple_of=16, min=16)\n"
+         "    # fp8 needs FA3, which the CPU stand-in kernels are not\n"
+         '    supported_kv_cache_dtypes: ClassVar[frozenset[KVCacheDType]] = frozenset({"auto"})\n'),
+    ]),
+    ("express what supports_sink() says as a declaration or delete it", [
+        Cut("    @classmethod\n    def supports_sink(",
+            "    @classmethod\n    def supports_compute_capability("),
+    ]),
+    ("return the reason from device_unsupported_reasons()", [("""\
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        return capability >= DeviceCapability(8, 0)
+""", """\
+    @classmethod
+    def device_unsupported_reasons(cls, device: torch.device) -> list[str]:
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+            return [f"{device}: {cls.name} needs compute capability 8.0 or later"]
+        return []
+""")]),
+    ("return its reasons from unsupported_reasons()", [
+        Cut("\n    @classmethod\n    def supports_combination(",
+            "\n\n@dataclass(frozen=True, kw_only=True)\nclass FlashAttentionMetadata("),
+    ]),
+    (NO_CONFIG, [("        self.cache_config = vllm_config.cache_config\n",
+                  "        self.cache_dtype = spec.kv_cache_dtype\n"),
+                 ("        spelled = self.cache_config.cache_dtype\n",
+                  "        spelled = self.cache_dtype\n")]),
+    (NO_CONFIG, [("""\
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        self.num_heads_q = model.get_num_attention_heads(parallel)
+        self.num_heads_kv = model.get_num_kv_heads(parallel)
+        self.headdim = model.get_head_size()
+""", """\
+        self.num_heads_q = spec.num_heads
+        self.num_heads_kv = spec.num_kv_heads
+        self.headdim = spec.head_size
+"""), ("        self.cp_kv_cache_interleave_size = parallel.cp_kv_cache_interleave_size\n", "")]),
+    (NO_CONFIG, [("        self.kv_cache_dtype = kv_cache_spec.dtype\n",
+                  "        self.kv_cache_dtype = torch.get_default_dtype()  # FA3 scheduling\n")]),
+    (NO_CONFIG, [
+        ("        self.block_size = kv_cache_spec.block_size\n",
+         "        self.block_size = 0  # build() takes each step's\n"),
+        ("        c = common_attn_metadata\n",
+         "        c = common_attn_metadata\n        self.block_size = c.block_size\n"),
+    ]),
+    (NO_CONFIG, [("""\
+        compilation = vllm_config.compilation_config
+        self.use_full_cuda_graph = compilation.cudagraph_mode.has_full_cudagraphs()
+        self.max_cudagraph_size = compilation.max_cudagraph_capture_size
+""", """\
+        self.use_full_cuda_graph = False  # no CUDA graph captures a builder here
+        self.max_cudagraph_size: int | None = None
+""")]),
+    (NO_CONFIG, [("""\
+        self.max_num_splits = (
+            vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph
+            if self.use_full_cuda_graph and self.aot_schedule else 0)
+""", "        self.max_num_splits = 0\n")]),
+    ("read what you need from self.spec (AttentionLayerSpec) instead", [("""\
+        windows = {layer.impl.sliding_window
+                   for layer in get_layers_from_vllm_config(self.vllm_config, Attention).values()}
+        if len(windows) > 1:
+            logger.info_once("layers differ in sliding window: FA3 schedules per call")
+            self.aot_schedule = False
+        self.aot_sliding_window = windows.pop() if len(windows) == 1 else _NO_WINDOW
+""", """\
+        # the builder serves one KV-cache group: its layers share the spec's window
+        window = self.spec.sliding_window
+        self.aot_sliding_window = _NO_WINDOW if window is None else (window - 1, 0)
+""")]),
+    ("declare the refusal as class data (supports_*, attention_types, "
+     "supported_kv_cache_dtypes) or in unsupported_reasons(), then delete it", [
+         # the declared cache dtypes leave no fp8 layer to refuse
+         Cut('        if (spec.kv_cache_dtype != "auto") and not flash_attn_supports_fp8():',
+             "        if sinks is not None:"),
+     ]),
+    (KEY_VALUE, [(
+        "            return self._forward_encoder_attention(query[:n], key[:n], value[:n],",
+        "            if key is None or value is None:\n"
+        "                raise ValueError(\"encoder attention needs this step's key and value\")\n"
+        "            return self._forward_encoder_attention(query[:n], key[:n], value[:n],")]),
+    ("set self.dcp_world_size in __init__ (1, 0 or False without context parallelism)", [
+        # the impl never runs context-parallel now: its DCP branch goes
+        Cut("        if self.dcp_world_size > 1:\n            self._forward_with_dcp(",
+            "        flash_attn_varlen_func(\n            q=query[:n],"),
+    ]),
+    (KEY_VALUE, []),  # the DCP branch it marks went with the step above
+]
+
+
+def test_flash_attention_flagged(tmp_path: Path) -> None:
+    source = UPSTREAM / "flash_attn_flagged.py"
+    fixed = do_steps(source, tmp_path / "out", FLAGGED)
     check_same(source, fixed, "FlashAttentionBackend")
     check_types(source, fixed, tmp_path)

@@ -52,6 +52,9 @@ def _declare(name: str, kind: str, value: str) -> str:
     if len(one) <= 100 or not value.endswith(")") or "(" not in value:
         return one
     head, _, inner = value[:-1].partition("(")
+    if len(inner) > 88 and inner.startswith("{") and inner.endswith("}"):
+        items = "".join(f"        {item},\n" for item in inner[1:-1].split(", "))
+        return f"    {name}: ClassVar[{kind}] = {head}({{\n{items}    }})\n"
     return f"    {name}: ClassVar[{kind}] = {head}(\n        {inner}\n    )\n"
 
 

@@ -307,6 +307,10 @@ class _Reader:
             return (AttentionType.DECODER,)
         found = []
         for t in AttentionType:
+            if t is AttentionType.ENCODER:
+                # upstream's ENCODER reads this step's K/V and no cache (ENCODER_ONLY
+                # here); this package's ENCODER attends over the paged cache
+                continue
             ok = self.method("supports_attn_type", t.value)
             if not isinstance(ok, bool):
                 self.give_up("supports_attn_type")

@@ -89,9 +89,17 @@ LEGACY_ADVICE: Final[Mapping[str, str]] = {
 """What to use instead of a legacy-surface name without a new-API counterpart."""
 
 
-def _advice(local: str, name: str, module: str) -> str:
-    advice = LEGACY_ADVICE.get(name or local)
-    return f"{local} ({module})" + (f": {advice}" if advice else "")
+def _advice(local: str, name: str, module: str) -> tuple[str, str, str]:
+    return local, module, LEGACY_ADVICE.get(name or local, "")
+
+
+def _grouped(kept: list[tuple[str, str, str]]) -> str:
+    """``a, b (module): advice; c (module)``: names with the same advice together."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for local, module, advice in kept:
+        groups.setdefault((module, advice), []).append(local)
+    return "; ".join(f"{', '.join(names)} ({module})" + (f": {advice}" if advice else "")
+                     for (module, advice), names in groups.items())
 
 
 def _alias_local(alias: cst.ImportAlias) -> str:
@@ -126,7 +134,7 @@ class ImportRewriter(cst.CSTTransformer):
                                  for s in updated.body):
             return updated
         body: list[cst.BaseSmallStatement] = []
-        kept_legacy: list[str] = []
+        kept_legacy: list[tuple[str, str, str]] = []
         for small in updated.body:
             if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
                 module = module_name(small.module, len(small.relative))
@@ -188,7 +196,7 @@ class ImportRewriter(cst.CSTTransformer):
         if kept_legacy:
             step = ManualStep(
                 "still imported from the legacy surface, which shim's removal takes away",
-                "replace " + "; ".join(kept_legacy))
+                "replace " + _grouped(kept_legacy))
             self.plan.steps.append(step)
             result = result.with_changes(leading_lines=[
                 *result.leading_lines,

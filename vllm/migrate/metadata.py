@@ -220,6 +220,7 @@ def rewrite_builder(plan: Plan, cls: ClassInfo, meta: str) -> None:
                   f"add build(self, common: CommonAttentionMetadata) -> {meta}")
     else:
         _rewrite_build(plan, build, info.ref(meta, cls.node, annotation=True))
+    _builder_state(plan, cls)
     for name, fn in cls.methods.items():
         if name in BUILDER_HOOKS:
             if _referenced(info, name, fn):
@@ -234,13 +235,44 @@ def rewrite_builder(plan: Plan, cls: ClassInfo, meta: str) -> None:
             plan.notes.append(f"{cls.name}.{name} deleted: the new API never reads it")
 
 
+LEGACY_BUILDER_STATE: Final = frozenset({"vllm_config", "kv_cache_spec", "layer_names"})
+"""What upstream's builder base stored in ``__init__``; the new base stores spec and device."""
+
+
+def _builder_state(plan: Plan, cls: ClassInfo) -> None:
+    """Mark reads of ``self.vllm_config`` (and the other legacy base state) the class does
+    not set itself."""
+    assigned: set[str] = set(cls.attrs)
+    reads: list[tuple[cst.Attribute, str]] = []
+
+    class Visitor(cst.CSTVisitor):
+        def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+            t = node.target
+            if isinstance(t, cst.Attribute) and isinstance(t.value, cst.Name) and \
+                    t.value.value == "self":
+                assigned.add(t.attr.value)
+
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            if isinstance(node.value, cst.Name) and node.value.value == "self" and \
+                    node.attr.value in LEGACY_BUILDER_STATE:
+                reads.append((node, node.attr.value))
+
+    cls.node.visit(Visitor())
+    for node, attr in reads:
+        stmt = plan.info.statement_of(node)
+        if attr not in assigned and stmt not in plan.remove:
+            plan.mark(stmt, f"reads self.{attr}, which the legacy builder base set",
+                      "read what you need from self.spec (AttentionLayerSpec) instead")
+
+
 def _referenced(info: ModuleInfo, attr: str, definition: cst.CSTNode) -> bool:
     """Whether the module reads ``<x>.attr`` anywhere outside ``definition``."""
     found = False
 
     class Visitor(cst.CSTVisitor):
         def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-            return node is not definition
+            # the legacy hooks go with the migration: what only they read goes too
+            return node is not definition and node.name.value not in BUILDER_HOOKS
 
         def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool:
             return node is not definition

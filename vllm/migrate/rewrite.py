@@ -340,9 +340,9 @@ def _legacy_helpers(plan: Plan) -> None:
 
     info.module.visit(Visitor())
     for call in quantized:
-        arg = info.module.code_for_node(call.args[0].value)
         # the spec's cache dtype is a KVCacheDType: quantised means anything but auto
-        plan.replace(call, expression(f'({arg} != "auto")'))
+        plan.edit(call, lambda updated: expression(
+            f'({info.module.code_for_node(updated.args[0].value)} != "auto")'))
     for call, name in loggers:
         if log_calls.get(name, set()) <= STANDARD_LOG_METHODS:
             plan.replace(call.func, expression("logging.getLogger"))
