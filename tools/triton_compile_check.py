@@ -11,8 +11,9 @@ launches carry the flags the launchers choose there (no hardware fp8 on sm_80, n
 inline PTX on gfx942). Each recorded launch is then compiled ahead of time with
 exactly its arguments (``triton.compile``) and checked (:func:`problem`). Exit 1 if any
 launch fails; a target whose Triton backend is missing is reported as skipped, with
-the reason; a launch of :data:`KNOWN_GAPS` is reported as a gap. ``tests/ops/test_triton_compile.py`` and ``tests/writers/test_vendor_paths.py``
-run it in a subprocess (the interpreter setting of a test process must not leak in).
+the reason; a launch of :data:`KNOWN_GAPS` is reported as a gap. ``tests/ops/`` and
+``tests/writers/test_triton_compile.py`` run it in a subprocess (the interpreter setting
+of a test process must not leak in); ``docs/kernels.md`` says what runs where.
 
 To add a launcher family: write ``record_<family>(target) -> list[Call]`` and add it to
 :data:`RECORDERS`.

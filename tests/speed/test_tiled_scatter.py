@@ -48,12 +48,13 @@ def _cache(layout: KVCacheLayout, storage: torch.dtype) -> torch.Tensor:
 def _scales(kind: str, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V scales: ``random`` (never a power of two), ``pow2`` (every head a power of
     two, the multiply path; the extremes 2**-126 and 2**126 overflow and underflow the
-    quotient), ``mixed`` (one head of each: the division path)."""
+    quotient; positive, as ``KVQuant`` requires of CPU scales), ``mixed`` (one head of
+    each: the division path)."""
     if kind == "random":
         return torch.rand(n, generator=g) + 0.5, torch.rand(n, generator=g) + 0.5
     if kind == "pow2":
         k = [1.0] if n == 1 else [0.25, 2.0**-126]
-        v = [2.0**-3] if n == 1 else [2.0**126, -4.0]
+        v = [2.0**-3] if n == 1 else [2.0**126, 4.0]
         return torch.tensor(k), torch.tensor(v)
     return torch.tensor([0.5, 0.3][:n]), torch.tensor([0.7, 2.0][:n])
 

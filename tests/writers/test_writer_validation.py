@@ -244,7 +244,8 @@ def test_reference_write_runs_the_checks() -> None:
 
 
 def test_without_triton_everything_runs_the_reference() -> None:
-    """``import vllm`` and every write work where Triton cannot be imported (as in CI)."""
+    """``import vllm`` and every write work where Triton cannot be imported (a plain
+    install: Triton is an optional extra)."""
     import subprocess
     import sys
     import textwrap

@@ -2,7 +2,7 @@
 tensors), against the same oracle as the reference, and byte-for-byte against the
 reference on values chosen to hit every rounding and saturation edge.
 
-Skipped (with the reason) where Triton is not importable, as in CI, and where
+Skipped (with the reason) where Triton is not importable and where
 CUDA is available (the GPU tests cover the compiled kernels on the same cases).
 """
 
