@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import subprocess
 import sys
@@ -65,11 +66,13 @@ def load(path: Path, code: str) -> ModuleType:
 
 
 def mypy_strict(*files: Path) -> subprocess.CompletedProcess[str]:
-    """mypy with the project's configuration (``--strict`` and its error codes)."""
+    """mypy with the project's configuration (``--strict`` and its error codes), run
+    beside the files, with this repository on its path (``tests.*`` imports resolve)."""
+    env = {**os.environ, "MYPYPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
          "--no-error-summary", *map(str, files)],
-        capture_output=True, text=True, cwd=files[0].parent, check=False)
+        capture_output=True, text=True, cwd=files[0].parent, check=False, env=env)
 
 
 def marked_lines(code: str) -> list[int]:

@@ -7,6 +7,7 @@ them is about the new API)."""
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,13 +138,18 @@ def do_steps(source: Path, out: Path, steps: list[Step]) -> str:
     return fixed
 
 
-def check_same(source: Path, fixed: str, name: str, migrated: ModuleType | None = None) -> None:
+def check_same(source: Path, fixed: str, name: str, *, kit_passes: bool = True) -> ModuleType:
+    """``--check``'s comparison of the original and the fixed migration; the migrated
+    module (loaded beside the original, so its imports resolve alike)."""
     original = getattr(load_module(source, source.read_text(encoding="utf-8"), "_original"),
                        name)
-    module = migrated or load_module(source, fixed, "_migrated")
+    module = load_module(source, fixed, "_migrated")
     outcome = compare(adapt_quietly(original), getattr(module, name))
     assert outcome.ok, outcome.differences
-    assert outcome.compared and all(report.ok for report in outcome.reports)
+    assert outcome.compared
+    if kit_passes:
+        assert all(report.ok for report in outcome.reports)
+    return module
 
 
 _LOCATION = re.compile(r"^[^:]+:\d+: (?:error|note): ")
@@ -151,17 +157,18 @@ _ARGUMENT = re.compile(r"Argument \d+ to")
 
 
 def errors(path: Path) -> list[str]:
-    """mypy's errors, without their line and argument numbers (the migration moves
-    lines and drops the slot_mapping argument)."""
+    """mypy's errors in ``path`` (not in what it imports), without their line and
+    argument numbers (the migration moves lines and drops the slot_mapping argument)."""
     lines = mypy_strict(path).stdout.splitlines()
     return sorted(_ARGUMENT.sub("Argument N to", _LOCATION.sub("", line))
-                  for line in lines if ": error: " in line)
+                  for line in lines if line.startswith(f"{path.name}:") and ": error: " in line)
 
 
 def check_types(source: Path, fixed: str, folder: Path) -> None:
     """mypy reports nothing on the migrated module that it does not on the original, and
     nothing the new API would (deprecated legacy names, overrides, slot_mapping)."""
     original, migrated = folder / f"original_{source.name}", folder / f"migrated_{source.name}"
+    folder.mkdir(exist_ok=True)
     original.write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
     migrated.write_text(fixed, encoding="utf-8")
     before, after = errors(original), errors(migrated)
@@ -340,3 +347,49 @@ def test_flash_attention_flagged(tmp_path: Path) -> None:
     fixed = do_steps(source, tmp_path / "out", FLAGGED)
     check_same(source, fixed, "FlashAttentionBackend")
     check_types(source, fixed, tmp_path)
+
+
+def test_torchtitan_varlen(tmp_path: Path) -> None:
+    """torchtitan's plugin subclasses the flagged FlashAttention of another module: it
+    migrates on its own, and its first step points it at that module's migration."""
+    from vllm.attention import registry
+
+    base = UPSTREAM / "flash_attn_flagged.py"
+    source = UPSTREAM / "torchtitan_varlen.py"
+    try:
+        flagged = check_same(base, do_steps(base, tmp_path / "base", FLAGGED),
+                             "FlashAttentionBackend")
+        legacy_import = "from tests.legacy_backends.upstream.flash_attn_flagged import ("
+        steps: list[Step] = [
+            (f"migrate it too (vllm-attn migrate {os.path.relpath(base)}) and import "
+             "FlashAttentionBackend, FlashAttentionImpl, FlashAttentionMetadata from the "
+             "migrated module", [(legacy_import, "from MIGRATED_FLAGGED import (")]),
+            ("replace AttentionBackendEnum (vllm.v1.attention.backends.registry): the new "
+             "registry takes the backend's own name; register_backend "
+             "(vllm.v1.attention.backends.registry): register with "
+             "vllm.attention.registry.register_backend(cls), under cls.name", [
+                 ("from vllm.v1.attention.backends.registry import AttentionBackendEnum, "
+                  "register_backend\n", ""),
+                 # importing a module registers nothing: its user calls
+                 # registry.register_backend(PyTorchVarlenAttentionBackend)
+                 ("@register_backend(AttentionBackendEnum.CUSTOM)\n", ""),
+             ]),
+            ("set self.dcp_world_size in __init__ (1, 0 or False without context "
+             "parallelism)", [
+                 # (the marked statement lists what the plugin refuses)
+                 ("            (self.dcp_world_size != 1, \"decode context parallelism\"),\n",
+                  ""),
+             ]),
+        ]
+        fixed = do_steps(source, tmp_path / "out", steps)
+        module = check_same(source, fixed.replace("MIGRATED_FLAGGED", flagged.__name__),
+                            "PyTorchVarlenAttentionBackend", kit_passes=False)
+        assert issubclass(module.PyTorchVarlenAttentionBackend, flagged.FlashAttentionBackend)
+        types = tmp_path / "types"
+        types.mkdir()
+        (types / "migrated_flash_attn_flagged.py").write_text(
+            do_steps(base, tmp_path / "base2", FLAGGED), encoding="utf-8")
+        check_types(source, fixed.replace("MIGRATED_FLAGGED", "migrated_flash_attn_flagged"),
+                    types)
+    finally:
+        registry.unregister_backend("CUSTOM")  # the original registers itself on import

@@ -156,6 +156,15 @@ def _refusal(backend: AnyBackend, cfg: CheckConfig) -> list[str]:
         device=torch.device(cfg.device))
 
 
+def _unwrapped(step: StepResult | Exception) -> StepResult | Exception:
+    """What the legacy code raised, where the adapter wrapped it (its original exception
+    is the ``__cause__``)."""
+    while isinstance(step, Exception) and type(step).__name__ == "LegacyBackendRuntimeError" \
+            and isinstance(step.__cause__, Exception):
+        step = step.__cause__
+    return step
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     ref = b.double()
     denom = float(ref.norm())
@@ -200,7 +209,7 @@ def _compare_step(original: AnyBackend, migrated: AnyBackend, cfg: CheckConfig, 
             steps.append(run_layer_step(backend, cfg, seed=seed))
         except Exception as exc:  # one side failing is a difference, named with its cause
             steps.append(exc)
-    a, b = steps
+    a, b = (_unwrapped(s) for s in steps)
     if isinstance(a, Exception) or isinstance(b, Exception):
         if isinstance(a, Exception) and isinstance(b, Exception) and type(a) is type(b):
             result.compared.append(cfg.id)

@@ -56,8 +56,7 @@ does not."""
 
 
 def rewrite_impl(plan: Plan, cls: ClassInfo, meta: str, decl: Declarations,
-                 finding: WriteFinding | None, flagged: bool, *, derived: bool = False,
-                 inherited: frozenset[str] = frozenset()) -> None:
+                 finding: WriteFinding | None, flagged: bool, *, derived: bool = False) -> None:
     """``derived``: ``cls`` subclasses an impl of another legacy module (migrated on its
     own), so its base stays."""
     if not derived:
@@ -83,7 +82,7 @@ def rewrite_impl(plan: Plan, cls: ClassInfo, meta: str, decl: Declarations,
             _rewrite_layer_reads(plan, fn, layer)
             if name != "forward":
                 _layer_annotation(plan, fn, layer)
-    _legacy_state(plan, cls, inherited)
+    _legacy_state(plan, cls)
     process = cls.methods.get("process_weights_after_loading")
     if process is not None and any(not is_docstring(s) and plan.code(s) != "pass"
                                    for s in function_body(process)):
@@ -312,20 +311,6 @@ def _rewrite_layer_reads(plan: Plan, fn: cst.FunctionDef, layer: str) -> None:
         plan.replace(node, expression(new.format(l=layer)))
 
 
-def legacy_state_reads(cls: ClassInfo) -> set[str]:
-    """The legacy impl base's attributes ``cls`` reads."""
-    found: set[str] = set()
-
-    class Visitor(cst.CSTVisitor):
-        def visit_Attribute(self, node: cst.Attribute) -> None:
-            if isinstance(node.value, cst.Name) and node.value.value == "self" and \
-                    node.attr.value in LEGACY_IMPL_STATE:
-                found.add(node.attr.value)
-
-    cls.node.visit(Visitor())
-    return found
-
-
 LEGACY_LAYER_TYPES: Final = ("torch.nn.Module", "nn.Module", "AttentionLayer", "Attention")
 
 
@@ -388,10 +373,10 @@ def _nested(node: cst.CSTNode) -> set[cst.CSTNode]:
     return found
 
 
-def _legacy_state(plan: Plan, cls: ClassInfo, inherited: frozenset[str]) -> None:
-    """Mark reads of the legacy base's state; ``inherited``: state a base of another
-    module sets or reads (its own migration marks it there)."""
-    assigned: set[str] = set(cls.attrs) | inherited
+def _legacy_state(plan: Plan, cls: ClassInfo) -> None:
+    """Mark reads of the legacy impl base's state the class does not set itself (a base of
+    another module may read it too: its own migration may drop the state, not set it)."""
+    assigned: set[str] = set(cls.attrs)
     reads: list[tuple[cst.Attribute, str]] = []
 
     class Visitor(cst.CSTVisitor):

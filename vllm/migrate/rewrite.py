@@ -25,7 +25,7 @@ from vllm.migrate.analysis import (
 )
 from vllm.migrate.backend_class import rewrite_backend
 from vllm.migrate.declarations import Declarations, read_declarations
-from vllm.migrate.impl import legacy_state_reads, rewrite_impl
+from vllm.migrate.impl import rewrite_impl
 from vllm.migrate.imports import ImportRewriter, used_names
 from vllm.migrate.layout import SPLIT_FAMILY, infer_layout
 from vllm.migrate.metadata import metadata_fields, rewrite_builder, rewrite_metadata
@@ -133,8 +133,7 @@ def _migrate_derived(info: ModuleInfo, backend: ClassInfo, base_info: ModuleInfo
         forward = impl.methods.get("forward")
         finding = _writes_of(info, forward, FORWARD_CACHE_ARG, None)
         meta = _annotation(info, forward, 6) or base_pieces.metadata.name
-        rewrite_impl(plan, impl, meta, decl, finding, flagged, derived=True,
-                     inherited=frozenset(legacy_state_reads(base_pieces.impl)))
+        rewrite_impl(plan, impl, meta, decl, finding, flagged, derived=True)
     rewrite_backend(plan, pieces, decl, None, derived=True)
     _legacy_helpers(plan)
     names = {base.name, base_pieces.impl.name, base_pieces.metadata.name,
