@@ -8,8 +8,10 @@ and at 0.37 with and without ``FAST_DIV``) and reports GB/s and the ratio to an 
 CUDA graph of 10 launches, as ``bench_writers.py``'s kernel column: eager launches of
 the ~30 us MLA writes would time the host). ``--hw-nan both`` adds the fp8
 conversion's NaN select on and off. Every variant's cache bytes are compared with the
-default launch's (a variant that differs is reported and never chosen). The defaults in ``vllm/attention/writers/kernels/launch.py``
-come from this table (``docs/performance.md``). Then the fused RoPE + write (keys
+default launch's (a variant that differs is reported and never chosen). The defaults
+in ``vllm/attention/writers/kernels/scatter.py`` come from this table
+(``docs/performance.md``); ``--tiled-variants`` adds launch variants (``hints=5``: L2
+hints) to every ``BLOCK_T`` x ``num_warps``. Then the fused RoPE + write (keys
 only, T=8192) against the plain write, in CUDA graphs, for the launch variants of
 ``--rope-variants`` (warps, L2 hints, tokens a program, ...), fp8 at each scale.
 
@@ -48,13 +50,13 @@ TARGETS = ["split_nhd/auto", "split_nhd/fp8_e4m3", "mla_latent/auto", "mla_laten
 
 
 def variant(launch: Launch, n: int, block_t: int, warps: int, fast: bool | None,
-            hw_nan: bool | None = None) -> Launch:
-    """The tiled sweep's variant: :func:`launch_variant` of ``BLOCK_T``, warps and, where
-    given, FAST_DIV and HW_NAN."""
+            hw_nan: bool | None = None, extra: str = "default") -> Launch:
+    """The tiled sweep's variant: :func:`launch_variant` of ``BLOCK_T``, warps, where
+    given FAST_DIV and HW_NAN, and the ``extra`` spec (``--tiled-variants``)."""
     spec = f"bt={block_t},warps={warps}"
     spec += "" if fast is None else f",fast={int(fast)}"
     spec += "" if hw_nan is None else f",nan={int(hw_nan)}"
-    return launch_variant(launch, spec, n)
+    return launch_variant(launch, f"{spec},{extra}", n)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -185,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                         "one that is not (it divides: FAST_DIV on and off)")
     p.add_argument("--fast-div", choices=["both", "on"], default="both",
                    help="for a scale that is not a power of two: FAST_DIV off and on, or on")
+    p.add_argument("--tiled-variants", nargs="+", default=["default"],
+                   help="launch_variant specs the tiled sweep adds to every BLOCK_T x warps "
+                        "(e.g. hints=5: the tiled kernel's CACHE_HINTS)")
     p.add_argument("--hw-nan", choices=["default", "both"], default="default",
                    help="fp8: the launch's HW_NAN, or both settings")
     p.add_argument("--rope-variants", nargs="+", default=ROPE_VARIANTS,
@@ -228,21 +233,23 @@ def main(argv: list[str] | None = None) -> int:
                 divide = (False, True) if args.fast_div == "both" else (True,)
                 nans = (None,) if args.hw_nan == "default" or not fp8 else (True, False)
                 built: list[tuple[Launch, dict[str, object], list[float]]] = []
-                for fast, hw_nan, bt, nw in itertools.product(
+                for fast, hw_nan, bt, nw, extra in itertools.product(
                         (None,) if not fp8 else (True,) if pow2 else divide, nans,
-                        args.block_t, args.warps):
-                    v = variant(base, n, bt, nw, fast, hw_nan)
+                        args.block_t, args.warps, args.tiled_variants):
+                    v = variant(base, n, bt, nw, fast, hw_nan, extra)
                     try:
                         setup.cache.zero_()
                         v.run()
                         same = bool(torch.equal(_raw(setup.cache), _raw(want)))
                     except Exception as exc:  # a variant that does not compile
-                        print(f"{name} T={n} BLOCK_T={bt} warps={nw} fast={fast}: {exc}")
+                        print(f"{name} T={n} BLOCK_T={bt} warps={nw} fast={fast} {extra}: "
+                              f"{exc}")
                         continue
                     bad += not same
                     built.append((v, {"config": name, "tokens": n, "scale": scale,
                                       "block_t": bt, "num_warps": nw, "fast_div": fast,
-                                      "hw_nan": hw_nan, "bytes_equal": same}, []))
+                                      "hw_nan": hw_nan, "variant": extra,
+                                      "bytes_equal": same}, []))
                 for _ in range(args.repeat):  # rounds over every variant: drift hits all alike
                     for v, row, times in built:
                         times.append(bw._kernel_us(v, timing, dev))
@@ -255,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                     spread = f" ({runs[0]:.1f}-{runs[-1]:.1f})" if len(runs) > 1 else ""
                     print(f"{name:22} T={n:<6} scale={scale:<5} BLOCK_T={row['block_t']!s:<3} "
                           f"warps={row['num_warps']} fast={row['fast_div']!s:5} "
-                          f"hw_nan={row['hw_nan']!s:5} {us:8.1f} us{spread} {gbps:7.0f} GB/s "
+                          f"hw_nan={row['hw_nan']!s:5} {row['variant']} "
+                          f"{us:8.1f} us{spread} {gbps:7.0f} GB/s "
                           f"{gbps / copy_gbps:5.2f}x" + ("" if row["bytes_equal"] else
                                                           "  BYTES DIFFER"))
                 default = {k: base.constexprs.get(k) for k in ("BLOCK_T", "FAST_DIV", "HW_NAN")}

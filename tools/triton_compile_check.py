@@ -274,8 +274,11 @@ def writer_launches() -> list[tuple[str, Any]]:
         latent, rope = mla_latent_views(torch.zeros(300, 16, 576, dtype=storage), 512)
         lt = tw.ScatterTarget.token_major(latent.unsqueeze(2))
         rt = tw.ScatterTarget.token_major(rope.unsqueeze(2))
-        out.append((f"tiled-mla-{cdt}", tw.scatter_kv_launch(
-            kv_c, pe, lt, rt, slots, mode, one, one, same_scale=True)))
+        mla = tw.scatter_kv_launch(kv_c, pe, lt, rt, slots, mode, one, one, same_scale=True)
+        out.append((f"tiled-mla-{cdt}", mla))
+        # the L2 hints tune_writers.py times as a launch variant
+        out.append((f"tiled-mla-{cdt}-hints5", dataclasses.replace(
+            mla, constexprs={**mla.constexprs, "CACHE_HINTS": 5})))
         out.append((f"rope-mla-{cdt}", tw.rope_kv_launch(
             torch.zeros(t, 16, 64, dtype=torch.bfloat16), pe, kv_c, rt, lt, slots, slots,
             torch.zeros(4096, 64), False, mode, one, one, same_scale=True)))

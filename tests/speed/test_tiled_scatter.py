@@ -194,3 +194,34 @@ def test_mla_writer_launch_loads_its_one_scale_once() -> None:
     assert isinstance(srun, tw.CachedLaunch)
     sconsts = srun._build((key, value, split_cache, slots, s, s)).constexprs
     assert not sconsts["SAME_SCALE"] and not sconsts["SLOT_LINEAR"]
+
+
+@pytest.mark.parametrize("hints", [1, 4, 5])
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
+def test_cache_hints_store_the_same_bytes(cache_dtype: str, hints: int) -> None:
+    """``CACHE_HINTS`` (L2 eviction hints on the row loads and cache stores, a launch
+    variant ``tune_writers.py`` times) changes no byte: the MLA latent launch with them
+    against the reference writer, over a cache of random bytes."""
+    import dataclasses
+
+    from vllm.attention.layouts import mla_latent_views
+
+    g = torch.Generator().manual_seed(6)
+    t = 9
+    kv_c = torch.randn(t, 1, 64, generator=g).to(torch.bfloat16)
+    k_pe = torch.randn(t, 1, 16, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(24, generator=g)[:t]
+    slots[4] = -1
+    scale = torch.tensor([0.3])
+    quant = KVQuant(cache_dtype, scale, scale)  # type: ignore[arg-type]
+    storage = torch.bfloat16 if cache_dtype == "auto" else torch.float8_e4m3fn
+    got, want, got_base, want_base = _mla_caches("contiguous", storage)
+    latent, rope = mla_latent_views(got, 64)
+    base = tw.scatter_kv_launch(kv_c, k_pe, tw.ScatterTarget.token_major(latent.unsqueeze(2)),
+                                tw.ScatterTarget.token_major(rope.unsqueeze(2)), slots,
+                                0 if cache_dtype == "auto" else 1, scale, scale,
+                                same_scale=True)
+    assert base.kernel == "scatter_kv_tiled_kernel" and base.constexprs["CACHE_HINTS"] == 0
+    dataclasses.replace(base, constexprs={**base.constexprs, "CACHE_HINTS": hints}).run()
+    reference_write(L.MLA_LATENT, kv_c[:, 0], k_pe, want, slots, quant)
+    assert torch.equal(raw(got_base), raw(want_base))

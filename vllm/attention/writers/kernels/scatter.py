@@ -58,7 +58,7 @@ def scatter_kv_launch(
             "BLOCK_DV": block_dv, "SCALAR_S": _one_scale(mode, k_scale, v_scale),
             "SLOT_LINEAR": k_target.slot_linear and v_target.slot_linear,
             "SAME_SCALE": same_scale and _one_scale(mode, k_scale, v_scale),
-            "BS_SHIFT": _bs_shift(k_target.block_size)}
+            "BS_SHIFT": _bs_shift(k_target.block_size), "CACHE_HINTS": 0}
         consts["PACKED_WIDEN"] = packed_widen("scatter_kv_tiled_kernel", consts,
                                               TRITON_DEFAULT_WARPS)
         return Launch(

@@ -755,14 +755,15 @@ def _fp8_store_bits(y: tl.tensor, MODE: tl.constexpr, HW_CVT: tl.constexpr,
 def _tile_load(
     t: tl.tensor, tm: tl.tensor, h: tl.tensor, hm: tl.tensor,
     x_ptr: tl.tensor, x_st: tl.tensor, x_sh: tl.tensor, x_sd: tl.tensor,
-    head_size: tl.tensor, BLOCK_D: tl.constexpr,
+    head_size: tl.tensor, BLOCK_D: tl.constexpr, HINT: tl.constexpr = 0,
 ) -> tl.tensor:
-    """Input bits ``[BLOCK_T, BLOCK_H, D]`` of one operand (heads ``h``, in range ``hm``)."""
+    """Input bits ``[BLOCK_T, BLOCK_H, D]`` of one operand (heads ``h``, in range ``hm``).
+    HINT: :func:`_ld`'s."""
     d = tl.arange(0, BLOCK_D)
     load_mask = tm[:, None, None] & hm[None, :, None] & (d < head_size)[None, None, :]
     src = (x_ptr + t[:, None, None] * x_st + h[None, :, None] * x_sh
            + d[None, None, :] * x_sd)
-    return tl.load(src, mask=load_mask, other=0)
+    return _ld(src, load_mask, HINT)
 
 
 @jit
@@ -772,15 +773,17 @@ def _tile_store(
     c_ptr: tl.tensor, c_sh: tl.tensor, c_sd: tl.tensor, head_size: tl.tensor,
     IN_KIND: tl.constexpr, MODE: tl.constexpr, HW_CVT: tl.constexpr, FAST_DIV: tl.constexpr,
     HW_NAN: tl.constexpr, BLOCK_D: tl.constexpr, PACKED: tl.constexpr,
+    HINT: tl.constexpr = 0,
 ) -> None:
     """Store :func:`_tile_load`'s rows (heads ``h``, in range ``hm``); ``row`` ``[BLOCK_T]``
     is each token's element offset of ``(slot, head 0, dim 0)`` in the cache operand;
-    ``s``, ``r``, ``s_kind`` from :func:`_load_scales`; PACKED: :func:`_widen`'s."""
+    ``s``, ``r``, ``s_kind`` from :func:`_load_scales`; PACKED: :func:`_widen`'s; HINT:
+    :func:`_st`'s."""
     d = tl.arange(0, BLOCK_D)
     store_mask = ok[:, None, None] & hm[None, :, None] & (d < head_size)[None, None, :]
     dst = c_ptr + row[:, None, None] + h[None, :, None] * c_sh + d[None, None, :] * c_sd
     _store_as(dst, bits, s[None, :, None], r[None, :, None], s_kind, store_mask, IN_KIND,
-              MODE, HW_CVT, FAST_DIV, HW_NAN, False, PACKED)
+              MODE, HW_CVT, FAST_DIV, HW_NAN, False, PACKED, HINT)
 
 
 @jit_token_count("num_tokens")
@@ -798,7 +801,7 @@ def scatter_kv_tiled_kernel(
     BLOCK_DV: tl.constexpr, SCALAR_S: tl.constexpr, HW_NAN: tl.constexpr = False,
     SLOT_LINEAR: tl.constexpr = False, SAME_SCALE: tl.constexpr = False,
     BS_SHIFT: tl.constexpr = -1, PACKED_WIDEN: tl.constexpr = False,
-    FAST_RCP: tl.constexpr = False,
+    FAST_RCP: tl.constexpr = False, CACHE_HINTS: tl.constexpr = 0,
 ) -> None:
     """One program per (BLOCK_T tokens, group of BLOCK_H heads) of a token-major cache
     (element ``(slot, h, d)`` at ``blk*sb + off*so + h*sh + d*sd``). MODE as
@@ -808,7 +811,9 @@ def scatter_kv_tiled_kernel(
     and rope parts), loaded, inverted and classified once. BS_SHIFT: :func:`_split_slot`'s.
     PACKED_WIDEN (compiled fp8 writes of bf16 input, tiles of two or more elements a
     thread: ``kernels.pairs_fit``): :func:`_widen_bf16_pairs`. FAST_RCP (compiled
-    fp8 writes): :func:`_reciprocal`'s."""
+    fp8 writes): :func:`_reciprocal`'s. CACHE_HINTS, bits: 1 the K/V rows are loaded
+    ``evict_first``, 4 the cache rows are stored ``evict_first`` (writes larger than L2
+    stream through it once; launch variants of ``tune_writers.py``, off by default)."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     pid_h = tl.program_id(1)
     tm = t < num_tokens
@@ -819,8 +824,10 @@ def scatter_kv_tiled_kernel(
     # round trip on the latency-bound small writes).
     h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     hm = h < num_heads
-    kb = _tile_load(t, tm, h, hm, k_ptr, k_st, k_sh, k_sd, head_size_k, BLOCK_DK)
-    vb = _tile_load(t, tm, h, hm, v_ptr, v_st, v_sh, v_sd, head_size_v, BLOCK_DV)
+    ROW_HINT: tl.constexpr = CACHE_HINTS & 1
+    SH: tl.constexpr = 1 if CACHE_HINTS & 4 else 0
+    kb = _tile_load(t, tm, h, hm, k_ptr, k_st, k_sh, k_sd, head_size_k, BLOCK_DK, ROW_HINT)
+    vb = _tile_load(t, tm, h, hm, v_ptr, v_st, v_sh, v_sd, head_size_v, BLOCK_DV, ROW_HINT)
     ks, kr, kkind = _load_scales(ks_ptr, ks_sh, h, hm, MODE, SCALAR_S, BLOCK_H, FAST_RCP)
     if SAME_SCALE:
         vs, vr, vkind = ks, kr, kkind
@@ -834,6 +841,6 @@ def scatter_kv_tiled_kernel(
         k_row = blk * kc_sb + off * kc_so
         v_row = blk * vc_sb + off * vc_so
     _tile_store(kb, ks, kr, kkind, ok, k_row, h, hm, kc_ptr, kc_sh, kc_sd, head_size_k,
-                IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_DK, PACKED_WIDEN)
+                IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_DK, PACKED_WIDEN, SH)
     _tile_store(vb, vs, vr, vkind, ok, v_row, h, hm, vc_ptr, vc_sh, vc_sd, head_size_v,
-                IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_DV, PACKED_WIDEN)
+                IN_KIND, MODE, HW_CVT, FAST_DIV, HW_NAN, BLOCK_DV, PACKED_WIDEN, SH)
