@@ -34,7 +34,7 @@ What it cannot rewrite with certainty stays in place, marked '# MIGRATE:', and i
 listed as file:line: what to do. The input is never written.
 
 exit status: 0 migrated; 1 --check found a difference; 2 bad input (nothing written);
-3 migrated with manual steps left"""
+3 migrated with manual steps left (whatever --check found)"""
 
 
 def add_migrate_parser(sub: Any, *, device_type: Callable[[str], Any]) -> None:
@@ -90,7 +90,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     _summary(result, out, written=not args.diff)
     code = result.exit_code
     if args.check:
-        code = _check(result, target.path, str(args.device)) or code
+        checked = _check(result, target.path, str(args.device))
+        code = code if result.manual_steps else checked  # steps left: they come first
     for step in result.manual_steps:
         print(step.format(out))
     return code
@@ -123,6 +124,10 @@ def _check(result: MigrationResult, path: Path, device: str) -> int:
         print(f"check: cannot compare{left}: {exc}")
         return EXIT_CHECK_FAILED if not result.manual_steps else EXIT_MANUAL_STEPS
     if not (isinstance(migrated, type) and issubclass(migrated, AttentionBackend)):
+        if result.manual_steps:
+            print(f"check: cannot compare (manual steps are left: do them first): the "
+                  f"migrated {result.class_name} is not an AttentionBackend yet")
+            return EXIT_MANUAL_STEPS
         print(f"check: the migrated {result.class_name} is not an AttentionBackend")
         return EXIT_CHECK_FAILED
     problems = migrated.declaration_problems()
@@ -136,6 +141,8 @@ def _check(result: MigrationResult, path: Path, device: str) -> int:
     kit = ", ".join(f"{who} {len(r.passed)} passed, {len(r.failures)} failed"
                     for who, r in zip(("original", "migrated"), outcome.reports))
     verdict = "same" if outcome.ok else f"{len(outcome.differences)} difference(s)"
+    if result.manual_steps and not outcome.ok:
+        verdict += " (manual steps are left: do them, then check again)"
     print(f"check: {verdict}: {len(outcome.compared)} configurations compared on {device}, "
           f"{len(outcome.refused)} refused by both; kit: {kit}", file=sys.stderr)
     return EXIT_OK if outcome.ok else EXIT_CHECK_FAILED
