@@ -13,11 +13,14 @@ This package imports without ``libcst``; only the rewrite needs it
 
 Modules: :mod:`~vllm.migrate.report` (results, manual steps, errors),
 :mod:`~vllm.migrate.source` (reading the input), :mod:`~vllm.migrate.analysis` (what
-the module holds), :mod:`~vllm.migrate.declarations` (legacy methods to class data),
+the module holds), :mod:`~vllm.migrate.literal` (evaluating literal legacy methods),
+:mod:`~vllm.migrate.declarations` (legacy methods to class data),
 :mod:`~vllm.migrate.layout` (the cache layout), :mod:`~vllm.migrate.writes` (finding
-the write), :mod:`~vllm.migrate.imports` and :mod:`~vllm.migrate.rewrite` (the
-transformers), :mod:`~vllm.migrate.check` (the comparison) and
-:mod:`~vllm.migrate.command` (the subcommand).
+the write), :mod:`~vllm.migrate.plan` (the edits, applied in one pass), the piece
+rewriters :mod:`~vllm.migrate.metadata` (metadata and builder), :mod:`~vllm.migrate.impl`
+and :mod:`~vllm.migrate.backend_class`, :mod:`~vllm.migrate.imports`,
+:mod:`~vllm.migrate.rewrite` (one migration), :mod:`~vllm.migrate.check` (the
+comparison) and :mod:`~vllm.migrate.command` (the subcommand).
 """
 
 from vllm.migrate.report import (

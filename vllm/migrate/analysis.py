@@ -3,7 +3,7 @@ the backend, its impl, its metadata builder and its metadata."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -284,27 +284,6 @@ def is_docstring(stmt: cst.BaseStatement) -> bool:
             and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString)))
 
 
-def returns(fn: cst.FunctionDef) -> list[cst.BaseExpression | None]:
-    """The values of the ``return`` statements of ``fn`` (not of nested functions)."""
-    found: list[cst.BaseExpression | None] = []
-
-    class Visitor(cst.CSTVisitor):
-        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-            return node is fn
-
-        def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-            return False
-
-        def visit_Lambda(self, node: cst.Lambda) -> bool:
-            return False
-
-        def visit_Return(self, node: cst.Return) -> None:
-            found.append(node.value)
-
-    fn.visit(Visitor())
-    return found
-
-
 def single_return(fn: cst.FunctionDef) -> cst.BaseExpression | None:
     """The value of ``fn``'s only statement when it is ``return <value>`` (a docstring
     before it allowed), else None."""
@@ -317,45 +296,10 @@ def single_return(fn: cst.FunctionDef) -> cst.BaseExpression | None:
     return None
 
 
-def decorators(fn: cst.FunctionDef) -> list[str]:
-    names = []
-    for d in fn.decorators:
-        name = dotted(d.decorator)
-        names.append(name or "?")
-    return names
-
-
 def params(fn: cst.FunctionDef) -> list[cst.Param]:
     """Positional parameters (``self``/``cls`` included) followed by keyword-only ones."""
     p = fn.params
     return [*p.posonly_params, *p.params, *p.kwonly_params]
-
-
-def names_in(node: cst.CSTNode) -> Iterator[str]:
-    """Every ``Name`` read or written in ``node`` (attributes' own names excluded)."""
-    found: list[str] = []
-
-    class Visitor(cst.CSTVisitor):
-        def visit_Name(self, n: cst.Name) -> None:
-            found.append(n.value)
-
-        def visit_Attribute(self, n: cst.Attribute) -> bool:
-            n.value.visit(self)
-            return False
-
-        def visit_Arg(self, n: cst.Arg) -> bool:
-            n.value.visit(self)
-            return False
-
-        def visit_Param(self, n: cst.Param) -> bool:
-            if n.annotation is not None:
-                n.annotation.visit(self)
-            if n.default is not None:
-                n.default.visit(self)
-            return False
-
-    node.visit(Visitor())
-    return iter(found)
 
 
 @dataclass
