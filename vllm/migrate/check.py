@@ -76,14 +76,15 @@ def _quiet_legacy() -> Iterator[None]:
         yield
 
 
-def load_module(path: Path, code: str, tag: str) -> ModuleType:
+def load_module(path: Path, code: str, tag: str, folder: Path | None = None) -> ModuleType:
     """``code`` as a module next to ``path`` (its relative imports resolve as the
-    original's do), under a private name so it never replaces the original module."""
+    original's do), under a private name so it never replaces the original module. Its
+    file is written to ``folder`` (default: a new temporary directory)."""
     root, package = _package_of(path)
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     name = f"{package}.{tag}_{path.stem}" if package else f"{tag}_{path.stem}"
-    folder = Path(tempfile.mkdtemp(prefix="vllm-migrate-"))
+    folder = Path(tempfile.mkdtemp(prefix="vllm-migrate-", dir=folder))
     file = folder / f"{path.stem}.py"
     file.write_text(code, encoding="utf-8")
     spec = importlib.util.spec_from_file_location(name, file)

@@ -9,6 +9,7 @@ import argparse
 import difflib
 import importlib.util
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -111,14 +112,20 @@ def _summary(result: MigrationResult, out: Path, *, written: bool) -> None:
 
 def _check(result: MigrationResult, path: Path, device: str) -> int:
     """Print the comparison; EXIT_CHECK_FAILED on a difference, else 0."""
+    with tempfile.TemporaryDirectory(prefix="vllm-migrate-") as folder:
+        return _compare(result, path, device, Path(folder))
+
+
+def _compare(result: MigrationResult, path: Path, device: str, folder: Path) -> int:
     from shim.adapter import adapt_quietly
     from vllm.attention.backend import AttentionBackend
     from vllm.migrate.check import compare, load_module
 
     try:
-        original = getattr(load_module(path, path.read_text(encoding="utf-8"), "_original"),
+        original = getattr(load_module(path, path.read_text(encoding="utf-8"), "_original",
+                                       folder), result.class_name)
+        migrated = getattr(load_module(path, result.code, "_migrated", folder),
                            result.class_name)
-        migrated = getattr(load_module(path, result.code, "_migrated"), result.class_name)
     except MigrationError as exc:
         left = " (manual steps are left: do them first)" if result.manual_steps else ""
         print(f"check: cannot compare{left}: {exc}")
