@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -287,16 +288,36 @@ GPU_CASES = [
          context_lens=(10, 50)),
     Case(L.SPLIT_KV_FIRST, dtype=torch.bfloat16, tree=True, query_lens=(4, 1, 7, 12, 5),
          context_lens=(20, 33, 0, 9, 16)),
+    # the benchmark's shapes, smaller: 33 decodes (64 entries), fresh and chunked prefills
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.bfloat16, num_kv_heads=8, group=4, head_size=128,
+         query_lens=(1,) * 33, context_lens=tuple(4095 - 61 * i for i in range(33)), seed=1),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.bfloat16, num_kv_heads=8, group=4, head_size=128,
+         query_lens=(1024,) * 3, context_lens=(0,) * 3, seed=2),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.bfloat16, num_kv_heads=8, group=4, head_size=128,
+         query_lens=(512, 700), context_lens=(1024, 300), seed=3),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=[c.id() for c in GPU_CASES])
-def test_cuda_compiled_flex(case: Case) -> None:
+@pytest.mark.parametrize("case", GPU_CASES, ids=[f"{i}-{c.id()}" for i, c in enumerate(GPU_CASES)])
+def test_cuda_compiled_flex(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     """Inductor's kernels over caches whose unowned slots are NaN (the page_table mode
-    must never list a partly written page)."""
+    must never list a partly written page): the output against float64, and the block
+    lists the compiled call was given against their mask_mod (as Inductor reads them:
+    tests/ops/flex_block_sparse.py)."""
+    from tests.ops.flex_block_sparse import block_list_errors, live_rows
     from vllm.attention.ops import flex_paged
 
+    calls: list[list[str]] = []
+    call_flex = flex_paged._call_flex
+
+    def checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> object:
+        result = call_flex(q, k, v, **kw)  # type: ignore[arg-type]
+        calls.append(block_list_errors(kw["block_mask"], q_len=q.shape[2], kv_len=k.shape[2],
+                                       batch=q.shape[0], live_rows=live_rows(q, case.query_lens)))
+        return result
+
+    monkeypatch.setattr(flex_paged, "_call_flex", checked)
     b = build(case, "cuda")
     out = b.new_output()
     flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
@@ -305,6 +326,8 @@ def test_cuda_compiled_flex(case: Case) -> None:
     run = flex_paged.last_run
     assert run is not None and run.compiled, f"ran eagerly: {run}"
     assert run.mode == ("page_table" if max(case.query_lens) == 1 and not case.tree else "gather")
+    assert calls == [[]], calls
+    assert not out.isnan().any(), "NaN in the output"
     err = rel_err(out, b.reference)
     assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
 
@@ -312,7 +335,7 @@ def test_cuda_compiled_flex(case: Case) -> None:
 @pytest.mark.gpu
 def test_cuda_steps_of_new_lengths_do_not_recompile() -> None:
     """As on CPU, through Inductor: its lowering may add guards of its own."""
-    big = dict(dtype=torch.bfloat16, num_kv_heads=2, group=4, head_size=128)
+    big: dict[str, Any] = dict(dtype=torch.bfloat16, num_kv_heads=2, group=4, head_size=128)
     _step((300, 2), (0, 100), device="cuda", **big)
     _step((1,) * 5, (31, 5, 60, 15, 47), device="cuda", **big)
     graphs = _graphs()

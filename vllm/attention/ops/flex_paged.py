@@ -299,47 +299,83 @@ def _gather_block_lists(q_lens: torch.Tensor, seq_lens: torch.Tensor, *, causal:
                         window: int | None, tree: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Host-side block lists of the packed layout, one row per ``Q_BLOCK`` queries:
-    ``(kv_num_blocks [nq], kv_indices [nq, w], full_num [nq], full_indices [nq, w'])``
-    (int32): the ``KV_BLOCK`` key blocks the rows may see, split into partial (masked)
-    and full (every row sees every key). ``q_lens``/``seq_lens``: int64 host ``[R]``."""
+    ``(kv_num_blocks [nq], kv_indices [nq, w], full_num [nq], full_indices [nq, w])``
+    (int32, one width ``w``, see :func:`_list_width`): the ``KV_BLOCK`` key blocks some
+    row of the query block sees, split into full (every row sees every key: blocks of a
+    query block of one request) and partial (the others, masked). A query block that
+    spans requests lists, for each of its requests, the keys that request's rows of the
+    block can see (so no listed block is invisible to all its rows).
+    ``q_lens``/``seq_lens``: int64 host ``[R]``."""
     ctx = seq_lens - q_lens
     key_start = torch.cumsum(seq_lens, 0) - seq_lens
+    q_start = torch.cumsum(q_lens, 0) - q_lens
     tokens = int(q_lens.sum())
     q_req = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)
-    q_pos = torch.arange(tokens) - torch.repeat_interleave(torch.cumsum(q_lens, 0) - q_lens - ctx, q_lens)
+    q_pos = torch.arange(tokens) - torch.repeat_interleave(q_start - ctx, q_lens)
     first = torch.arange(0, tokens, Q_BLOCK)
     last = torch.clamp(first + Q_BLOCK, max=tokens) - 1
+    nq = first.shape[0]
+    nk = max(1, -(-int(seq_lens.sum()) // KV_BLOCK))
     r0, r1 = q_req[first], q_req[last]
-    p0, p1 = q_pos[first], q_pos[last]
-    lo = key_start[r0]
+    # every (query block, request with queries in it): that request's visible key range
+    per_block = r1 - r0 + 1
+    pair_qb = torch.repeat_interleave(torch.arange(nq), per_block)
+    pair_r = r0[pair_qb] + torch.arange(pair_qb.shape[0]) - torch.repeat_interleave(
+        torch.cumsum(per_block, 0) - per_block, per_block)
+    p_min = q_pos[torch.maximum(first[pair_qb], q_start[pair_r])]
+    p_max = q_pos[torch.minimum(last[pair_qb], q_start[pair_r] + q_lens[pair_r] - 1)]
+    a = key_start[pair_r]
     if window is not None:
-        lo = lo + torch.clamp(p0 - window + 1, min=0)
-    hi = key_start[r1] + (p1 + 1 if causal and not tree else seq_lens[r1])
-    single = (r0 == r1) & torch.tensor(not tree)
+        a = a + torch.clamp(p_min - window + 1, min=0)
+    b = key_start[pair_r] + (p_max + 1 if causal and not tree else seq_lens[pair_r])
+    b = torch.maximum(b, a)
+    # listed[qb, kb]: some pair's range reaches key block kb (a difference array)
+    edges = torch.zeros(nq, nk + 1, dtype=torch.int64)
+    live = b > a
+    ones = torch.ones(int(live.sum()), dtype=torch.int64)
+    edges.index_put_((pair_qb[live], a[live] // KV_BLOCK), ones, accumulate=True)
+    edges.index_put_((pair_qb[live], -(-b[live] // KV_BLOCK)), -ones, accumulate=True)
+    listed = torch.cumsum(edges, 1)[:, :nk] > 0
+    # full: a query block of one request, keys every one of its rows sees
+    p0, p1 = q_pos[first], q_pos[last]
     full_lo = key_start[r0] + (torch.clamp(p1 - window + 1, min=0) if window is not None else 0)
     full_hi = key_start[r0] + (p0 + 1 if causal else seq_lens[r0])
-    part_lo, part_hi = lo // KV_BLOCK, -(-hi // KV_BLOCK)
-    f_lo = torch.maximum(-(-full_lo // KV_BLOCK), part_lo)
-    f_hi = torch.minimum(full_hi // KV_BLOCK, part_hi)
-    empty = ~single | (f_hi <= f_lo)
-    f_lo = torch.where(empty, part_hi, f_lo)
-    f_hi = torch.where(empty, part_hi, f_hi)
-    n_full = f_hi - f_lo
-    n_low = f_lo - part_lo
-    n_part = n_low + (part_hi - f_hi)
-    j = torch.arange(max(2, int(n_part.max()) if n_part.numel() else 2))
-    parts = torch.where(j[None, :] < n_low[:, None], part_lo[:, None] + j[None, :],
-                        f_hi[:, None] + (j[None, :] - n_low[:, None]))
-    jf = torch.arange(max(2, int(n_full.max()) if n_full.numel() else 2))
-    fulls = f_lo[:, None] + jf[None, :]
-    nk = max(1, -(-int(seq_lens.sum()) // KV_BLOCK))
-    parts = torch.where(j[None, :] < n_part[:, None], parts, 0).clamp(0, nk - 1)
-    fulls = torch.where(jf[None, :] < n_full[:, None], fulls, 0).clamp(0, nk - 1)
-    if parts.shape[0] < 2:  # a second, empty query block: no size of 1 (see _at_least_2)
+    f_lo, f_hi = -(-full_lo // KV_BLOCK), full_hi // KV_BLOCK
+    f_hi = torch.where((r0 == r1) & torch.tensor(not tree), f_hi, f_lo)
+    kb = torch.arange(nk)
+    full = (kb[None, :] >= f_lo[:, None]) & (kb[None, :] < f_hi[:, None]) & listed
+    partial = listed & ~full
+    n_part, n_full = partial.sum(1), full.sum(1)
+    width = _list_width(n_part, n_full)
+    parts, fulls = _first_true(partial, width), _first_true(full, width)
+    if nq < 2:  # a second, empty query block: no size of 1 (see _at_least_2)
         n_part, n_full = _at_least_2(n_part), _at_least_2(n_full)
         parts, fulls = _at_least_2(parts), _at_least_2(fulls)
     i32 = torch.int32
     return n_part.to(i32), parts.to(i32), n_full.to(i32), fulls.to(i32)
+
+
+def _first_true(flags: torch.Tensor, width: int) -> torch.Tensor:
+    """``[rows, width]``: each row's column indices where ``flags`` ``[rows, n]`` is
+    True, ascending, then zeros."""
+    n = flags.shape[1]
+    col = torch.arange(n)
+    order = torch.sort(torch.where(flags, col, n + col), dim=1).values
+    order = torch.where(order < n, order, 0)
+    if order.shape[1] < width:
+        order = torch.cat([order, order.new_zeros(order.shape[0], width - order.shape[1])], 1)
+    return order[:, :width]
+
+
+def _list_width(n_part: torch.Tensor, n_full: torch.Tensor) -> int:
+    """One width for the partial and the full block lists (``>= 2``, see
+    :func:`_at_least_2`). Inductor's kernels read both lists at one offset, computed
+    from the partial lists' strides (its decode kernel in every version, its forward
+    kernel before torch 2.13), as :func:`~torch.nn.attention.flex_attention.create_block_mask`
+    builds them: full lists of another width are read at the wrong place (garbage, or
+    a page nobody owns), which is what the H200 showed before the widths were one."""
+    widest = max([int(t.max()) for t in (n_part, n_full) if t.numel()], default=0)
+    return max(2, widest)
 
 
 def _at_least_2(t: torch.Tensor) -> torch.Tensor:
@@ -412,7 +448,8 @@ def _page_mask(p2l: torch.Tensor, q_ctx: torch.Tensor, whole: torch.Tensor, *, b
                causal: bool, window: int | None) -> MaskMod:
     """Exact visibility of physical slot ``kv_idx`` for batch entry ``b``'s query ``q_idx``:
     a page of the request (``p2l``), before its partly written last page (``whole``
-    positions), causal / window."""
+    positions), causal / window. (Padding queries of an entry with fewer queries than
+    ``q_len`` see what a query there would see; their rows are dropped.)"""
     bs = block_size
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
@@ -489,13 +526,10 @@ def _page_tables(batch: PagedBatchLike, num_blocks: int, block_size: int, *, cau
     n_low = f_lo - lo
     n_part = n_low + (hi - f_hi)
     n_full = f_hi - f_lo
-    w = max(2, int(n_part.max()))
-    wf = max(2, int(n_full.max()))
-    j = torch.arange(w)
+    j = torch.arange(_list_width(n_part, n_full))
     logical = torch.where(j < n_low[..., None], lo[..., None] + j, f_hi[..., None] + j - n_low[..., None])
     logical = torch.where(j < n_part[..., None], logical, 0)
-    jf = torch.arange(wf)
-    logical_full = torch.where(jf < n_full[..., None], f_lo[..., None] + jf, 0)
+    logical_full = torch.where(j < n_full[..., None], f_lo[..., None] + j, 0)
     table = batch.block_table
     width = max(1, table.shape[1])
     padded = torch.zeros(rows, width, dtype=table.dtype, device=dev)

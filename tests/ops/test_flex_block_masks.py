@@ -1,0 +1,227 @@
+"""The block masks ``flex_paged_attention`` builds, as Inductor's kernels read them.
+
+On CPU the compiled flex paths run through Dynamo with ``aot_eager``, which evaluates
+``mask_mod`` densely and never reads the block lists; Inductor's CUDA kernels read only
+the lists. These tests stand :func:`tests.ops.flex_block_sparse.block_sparse_attention`
+(the kernels' function: listed blocks only, full blocks without ``mask_mod``, both lists
+at the partial lists' offsets) in for the compiled call, so the lists decide the result
+as on CUDA: every block mask of prefill, chunked, decode (page_table), mixed, GQA,
+sliding window, soft cap, tree and cross-attention batches is checked against its
+``mask_mod`` at block granularity, and the output against float64 with NaN in every
+unowned cache slot (the stand-in reads only listed blocks, so nothing is poisoned with
+finite values here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from tests.ops.flex_block_sparse import (
+    block_list_errors,
+    block_sparse_attention,
+    live_rows,
+)
+from tests.ops.paged_cases import (
+    TOLERANCE,
+    Built,
+    Case,
+    L,
+    build,
+    cross_attention_case,
+    rel_err,
+)
+from vllm.attention.ops import flex_paged
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+@dataclass
+class Seen:
+    """What the compiled call was given, per call, and what was wrong with its lists."""
+
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    query_lens: tuple[int, ...] = ()
+    """The batch's query counts (set before the call): which query rows are real."""
+
+
+@pytest.fixture
+def block_sparse(monkeypatch: pytest.MonkeyPatch) -> Seen:
+    """The compiled ``flex_attention`` call replaced by the block-sparse stand-in; the
+    eager call (``compiled=False``) left alone."""
+    seen = Seen()
+    eager = flex_paged._call_flex
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: Any,
+             score_mod: Any, scale: float, compiled: bool, lse: bool,
+             kernel_options: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not compiled:
+            return eager(q, k, v, block_mask=block_mask, score_mod=score_mod, scale=scale,
+                         compiled=False, lse=lse, kernel_options=kernel_options)
+        errors = block_list_errors(block_mask, q_len=q.shape[2], kv_len=k.shape[2],
+                                   batch=q.shape[0], live_rows=live_rows(q, seen.query_lens))
+        out, out_lse = block_sparse_attention(q, k, v, block_mask, scale=scale,
+                                              score_mod=score_mod)
+        seen.calls.append(dict(errors=errors, block=block_mask.BLOCK_SIZE,
+                               q_shape=tuple(q.shape), k_shape=tuple(k.shape)))
+        return out.to(q.dtype), (out_lse.float() if lse else None)
+
+    monkeypatch.setattr(flex_paged, "_call_flex", call)
+    return seen
+
+
+GATHER = [
+    Case(L.SPLIT_BLOCK_INTERLEAVED, group=4, query_lens=(300, 200, 130), context_lens=(0, 0, 0)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=BF16, group=2, num_kv_heads=2, head_size=64,
+         query_lens=(200, 150), context_lens=(200, 150)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, query_lens=(30, 1, 77, 100, 1), context_lens=(0, 90, 200, 100, 7)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, sliding_window=8, query_lens=(10, 40, 10, 60),
+         context_lens=(100, 200, 3, 80)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=FP16, group=8, num_kv_heads=1, sliding_window=64,
+         logits_soft_cap=20.0, query_lens=(150, 3), context_lens=(100, 40)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, causal=False, query_lens=(33, 7, 140), context_lens=(10, 50, 0)),
+    Case(L.SPLIT_KV_FIRST, tree=True, query_lens=(4, 1, 7, 12, 5), context_lens=(20, 33, 0, 9, 16)),
+    Case(L.SPLIT_NHD, "fp8_e4m3", group=1, query_lens=(129, 1), context_lens=(0, 300)),
+]
+PAGE_TABLE = [
+    Case(L.SPLIT_BLOCK_INTERLEAVED, query_lens=(1,) * 6, context_lens=(400, 17, 204, 0, 300, 102)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=BF16, block_size=32, sliding_window=40,
+         logits_soft_cap=20.0, query_lens=(1,) * 3, context_lens=(170, 31, 95)),
+    Case(L.SPLIT_KV_FIRST, block_size=64, group=8, num_kv_heads=1, query_lens=(1,) * 5,
+         context_lens=(63, 64, 0, 191, 300)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, query_lens=(1,) * 11, context_lens=tuple(range(3, 80, 7))),
+    Case(L.DIFFKV_PACKED, head_size=32, head_size_v=16, query_lens=(1, 1, 1),
+         context_lens=(40, 16, 79)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, sliding_window=20, query_lens=(9, 9), context_lens=(30, 7)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, query_lens=(130, 2), context_lens=(5, 300)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, causal=False, query_lens=(1, 5, 1, 9), context_lens=(0, 20, 35, 11)),
+]
+RUNS = [(c, "gather") for c in GATHER] + [(c, "page_table") for c in PAGE_TABLE]
+
+
+def _run(case: Case, mode: str, seen: Seen) -> tuple[Built, torch.Tensor]:
+    seen.query_lens = case.query_lens
+    b = build(case)
+    out = b.new_output()
+    flex_paged.flex_paged_attention(
+        b.query, b.kv, b.batch.common, scale=case.scale, output=out, causal=case.causal,
+        sliding_window=case.sliding_window, logits_soft_cap=case.logits_soft_cap,
+        tree_mask=b.tree_mask, mode=mode, compiled=True)  # type: ignore[arg-type]
+    assert flex_paged.last_run == flex_paged.FlexRun(mode, True)  # type: ignore[arg-type]
+    return b, out
+
+
+@pytest.mark.parametrize(("case", "mode"), RUNS, ids=[f"{m}-{c.id()}" for c, m in RUNS])
+def test_block_lists_agree_with_mask_mod(case: Case, mode: str, block_sparse: Seen) -> None:
+    """Full blocks all visible, partial blocks partly, unlisted blocks not at all; one
+    shape for both lists; sizes as the call sees them."""
+    _run(case, mode, block_sparse)
+    assert len(block_sparse.calls) == 1
+    assert block_sparse.calls[0]["errors"] == []
+
+
+@pytest.mark.parametrize(("case", "mode"), RUNS, ids=[f"{m}-{c.id()}" for c, m in RUNS])
+def test_block_sparse_result_matches_float64(case: Case, mode: str, block_sparse: Seen) -> None:
+    """The kernels' function over the lists the op builds, unowned slots NaN."""
+    b, out = _run(case, mode, block_sparse)
+    assert b.kv_cache.isnan().any(), "the cache keeps its NaN poison"
+    assert not out.isnan().any()
+    err = rel_err(out, b.reference)
+    assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("mode", ["gather", "page_table"])
+def test_cross_attention_block_lists(mode: str, block_sparse: Seen) -> None:
+    """More queries than keys, non-causal (encoder-decoder)."""
+    b, batch, q, ref = cross_attention_case(layout=L.SPLIT_KV_FIRST)
+    block_sparse.query_lens = (9, 3, 1)
+    out = torch.full((q.shape[0], b.case.num_heads, b.case.dv), float("nan"))
+    flex_paged.flex_paged_attention(q, b.kv, batch, scale=b.case.scale, output=out,
+                                    causal=False, mode=mode, compiled=True)  # type: ignore[arg-type]
+    assert block_sparse.calls[0]["errors"] == []
+    assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+
+
+def test_page_table_lists_pages_and_queries_as_the_call_sees_them(block_sparse: Seen) -> None:
+    """page_table: one sparse block a page, batch entries a power of two, the cache's
+    slots as keys."""
+    case = PAGE_TABLE[3]
+    b, _ = _run(case, "page_table", block_sparse)
+    call = block_sparse.calls[0]
+    assert call["block"] == (flex_paged.Q_BLOCK, case.block_size)
+    assert call["q_shape"][0] == 16 and call["q_shape"][2] == 1
+    assert call["k_shape"][2] == b.batch.num_blocks * case.block_size
+
+
+def _torch_mask(b: int, q_len: int, kv_len: int, window: int) -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    offset = torch.tensor([kv_len - q_len, kv_len - q_len - 37])
+
+    def mask_mod(bi: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        p = q + offset[bi]
+        return (k <= p) & (p - k < window)
+
+    return create_block_mask(mask_mod, b, None, q_len, kv_len, device="cpu", BLOCK_SIZE=32)
+
+
+def test_stand_in_matches_float64_on_torch_block_masks() -> None:
+    """The stand-in itself, on a block mask torch builds (partial and full blocks of a
+    causal window with per-entry offsets, GQA 4, soft cap), against float64 attention."""
+    g = torch.Generator().manual_seed(3)
+    b, hq, h, q_len, kv_len, d = 2, 8, 2, 70, 150, 16
+    q = torch.randn(b, hq, q_len, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, h, kv_len, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, h, kv_len, d, generator=g, dtype=torch.float64)
+    mask = _torch_mask(b, q_len, kv_len, window=100)
+    assert int(mask.full_kv_num_blocks.sum()) > 0 and int(mask.kv_num_blocks.sum()) > 0
+
+    def cap(s: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+        return 5.0 * torch.tanh(s / 5.0)
+
+    out, lse = block_sparse_attention(q, k, v, mask, scale=d ** -0.5, score_mod=cap)
+    dense = torch.stack([mask.mask_mod(torch.tensor(i), torch.tensor(0),
+                                       torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :])
+                         for i in range(b)])
+    s = cap(torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(hq // h, 1)) * d ** -0.5)
+    s = s.masked_fill(~dense[:, None], -math.inf)
+    ref = torch.softmax(s, -1) @ v.repeat_interleave(hq // h, 1)
+    assert float((out - ref).norm() / ref.norm()) < 1e-12
+    assert torch.allclose(lse, torch.logsumexp(s, -1))
+    assert block_list_errors(mask, q_len=q_len, kv_len=kv_len) == []
+
+
+def test_stand_in_reads_full_lists_at_the_partial_lists_offsets() -> None:
+    """Full lists of another width than the partial ones (what the op built before) are
+    read at the wrong place, as Inductor's kernels read them: the stand-in's result is
+    then wrong and the checker names the mismatch."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 8, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 1, 64, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 1, 64, 16, generator=g, dtype=torch.float64)
+    i32 = torch.int32
+    # entry 0: keys 0..31 full; entry 1: keys 32..63 full; no partial blocks
+    n_part = torch.zeros(2, 1, 1, dtype=i32)
+    parts = torch.zeros(2, 1, 1, 2, dtype=i32)
+    n_full = torch.full((2, 1, 1), 2, dtype=i32)
+    fulls = torch.tensor([[0, 1, 0, 0], [2, 3, 0, 0]], dtype=i32).view(2, 1, 1, 4)
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        return ki // 32 == b
+
+    wrong = BlockMask.from_kv_blocks(n_part, parts, n_full, fulls, BLOCK_SIZE=(8, 16),
+                                     mask_mod=mask_mod, seq_lengths=(8, 64), compute_q_blocks=False)
+    right = BlockMask.from_kv_blocks(n_part, torch.zeros(2, 1, 1, 4, dtype=i32), n_full, fulls,
+                                     BLOCK_SIZE=(8, 16), mask_mod=mask_mod, seq_lengths=(8, 64),
+                                     compute_q_blocks=False)
+    ref, _ = block_sparse_attention(q, k, v, right, scale=0.25)
+    bad, _ = block_sparse_attention(q, k, v, wrong, scale=0.25)
+    assert block_list_errors(right, q_len=8, kv_len=64) == []
+    assert not torch.allclose(bad[1], ref[1])  # entry 1 read entry 0's list, shifted
+    assert any("differ in shape" in e for e in block_list_errors(wrong, q_len=8, kv_len=64))
