@@ -47,12 +47,18 @@ class Case:
     v_split: int = 1
     tma: bool = True
     hw_fp8: bool = True
+    latent_chunks: int = 2
+    split_scores: bool = False
+    fp16_dot: bool = True
 
     @property
     def id(self) -> str:
         extra = "".join([f"-bn{self.block_n}" if self.block_n != 16 else "",
                          "-vsplit" if self.v_split == 2 else "",
-                         "" if self.tma else "-notma", "" if self.hw_fp8 else "-softfp8"])
+                         "" if self.tma else "-notma", "" if self.hw_fp8 else "-softfp8",
+                         "-onechunk" if self.latent_chunks == 1 else "",
+                         "-splitscores" if self.split_scores else "",
+                         "" if self.fp16_dot else "-nofp16dot"])
         return (f"{str(self.dtype).split('.')[-1]}-{self.cache_dtype}-L{self.L}R{self.R}"
                 f"-H{self.heads}-page{self.page}-s{self.splits}{extra}")
 
@@ -77,6 +83,13 @@ CASES = [
     Case("auto", torch.bfloat16, 32, 16, 2, 16, 4, tma=False),
     Case("auto", torch.bfloat16, 512, 64, 2, 16, 2),          # two latent chunks
     Case("fp8", torch.bfloat16, 512, 64, 2, 16, 1, v_split=2),
+    # the sm_90 default: one [., 512] latent operand, the score warps split the keys
+    Case("auto", torch.bfloat16, 512, 64, 3, 16, 3, latent_chunks=1, split_scores=True),
+    Case("auto", torch.float16, 512, 64, 2, 24, 2, latent_chunks=1, split_scores=True),
+    Case("fp8", torch.bfloat16, 512, 64, 3, 16, 2, latent_chunks=1, split_scores=True),
+    Case("fp8_e5m2", torch.bfloat16, 512, 64, 2, 16, 1, split_scores=True, tma=False),
+    # fp8 with a bfloat16 model: float16 dots (above) or the bfloat16 ones
+    Case("fp8", torch.bfloat16, 32, 16, 3, 16, 2, fp16_dot=False),
 ]
 
 
@@ -154,7 +167,9 @@ def test_decode_matches_float64(case: Case, tma_calls: list[bool],
     fmt, cache, bt, req, pos, q = _inputs(case)
     before = cache.view(torch.uint8).clone()
     cfg = tmd.MLADecodeConfig(block_h=16, block_n=case.block_n, num_warps=4, num_stages=1,
-                              v_split=case.v_split, tma=case.tma)
+                              v_split=case.v_split, tma=case.tma,
+                              latent_chunks=case.latent_chunks,
+                              split_scores=case.split_scores, fp8_fp16_dot=case.fp16_dot)
     scale = (case.L + case.R) ** -0.5
     out = tmd.mla_decode_mma(q, cache, bt, req, pos, fmt, scale=scale,
                              max_seq_len=max(SEQ_LENS), config=cfg, num_splits=case.splits)
@@ -218,6 +233,30 @@ def test_e4m3_every_code_widens_exactly(hw_fp8: bool, monkeypatch: pytest.Monkey
 
 
 @pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-3, 3e4, 1e9])
+def test_fp16_dots_scale_the_query_into_range(magnitude: float) -> None:
+    """fp8 cache, bfloat16 model: the query is scaled into float16 by a power of two a
+    head, so queries far outside float16's range (65504) or deep in its subnormals give
+    the same result; a head of zeros (and the masked heads past the layer's) stays
+    finite."""
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    case = Case("fp8", torch.bfloat16, 512, 64, 3, 16, 2, latent_chunks=1, split_scores=True)
+    fmt, cache, bt, req, pos, q = _inputs(case, seed=5)
+    q = (q.double() * magnitude).bfloat16()
+    q[:, 1] = 0.0
+    scale = (case.L + case.R) ** -0.5 / magnitude
+    cfg = tmd.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1,
+                              latent_chunks=1, split_scores=True)
+    out = tmd.mla_decode_mma(q, cache, bt, req, pos, fmt, scale=scale,
+                             max_seq_len=max(SEQ_LENS), config=cfg, num_splits=2)
+    ref = reference(q, cache, bt, TOKENS, fmt, scale)
+    assert torch.isfinite(out).all()
+    # float16 probabilities: well inside the bfloat16 tolerance
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-3
+
+
+@pytest.mark.usefixtures("triton_interpreter")
 def test_query_parts_taken_as_strided_views() -> None:
     """The absorbed part as the transposed view a batched matmul returns and the rope
     part as a slice of the query, as the layer passes them: the same result."""
@@ -257,6 +296,9 @@ def test_errors_name_the_argument() -> None:
         MLADecodeConfig(block_h=24, block_n=16, num_warps=4, num_stages=1)
     with pytest.raises(InvalidArgumentError, match="v_split: got 3"):
         MLADecodeConfig(block_h=64, block_n=16, num_warps=4, num_stages=1, v_split=3)
+    with pytest.raises(InvalidArgumentError, match="latent_chunks: got 1.*v_split=2"):
+        MLADecodeConfig(block_h=64, block_n=16, num_warps=4, num_stages=1, v_split=2,
+                        latent_chunks=1)
 
 
 def test_choose_splits_fills_the_device_and_no_more() -> None:

@@ -28,7 +28,8 @@ from vllm.attention.writers.kernels.device import GPU, gpu_of
 MAX_SPLITS = 64
 """The most splits of one token's keys (the combine kernel unrolls over them)."""
 _MAX_BOX = 256
-"""The widest TMA box (elements); the latent is loaded in at most two chunks of it."""
+"""The widest latent chunk of a two-chunk launch (``latent_chunks=2``); a latent at most
+this wide is one chunk."""
 _FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -43,7 +44,14 @@ class MLADecodeConfig:
     compute the scores); ``num_splits`` None: chosen per call from the batch, the
     head tiles, the context and the device (:func:`choose_splits`); ``tma``: load
     whole tiles with the Tensor Memory Accelerator where the device and the cache
-    allow it (sm_90+, rows contiguous and 16-byte aligned).
+    allow it (sm_90+, rows contiguous and 16-byte aligned); ``latent_chunks``: the
+    latent's columns in one dot and one load (1) or two halves (2; ``v_split`` 2
+    needs them); ``split_scores``: the warps of the score dots split the keys instead
+    of all lying along the heads (``docs/mla.md``: with 64 heads and 8 warps, both
+    warpgroups would otherwise compute every score); ``fp8_fp16_dot``: with an fp8
+    cache and a bfloat16 model, the dots run in float16 (one instruction widens two
+    E4M3 values to float16, three to bfloat16; the query is scaled into float16's range
+    exactly, a power of two a head).
     """
 
     block_h: int
@@ -53,6 +61,9 @@ class MLADecodeConfig:
     num_splits: int | None = None
     v_split: int = 1
     tma: bool = True
+    latent_chunks: int = 2
+    split_scores: bool = False
+    fp8_fp16_dot: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n"):
@@ -68,6 +79,9 @@ class MLADecodeConfig:
                                        f"None or 1..{MAX_SPLITS}")
         if self.v_split not in (1, 2):
             raise InvalidArgumentError("v_split", self.v_split, "1 or 2")
+        if self.latent_chunks not in (1, 2) or self.latent_chunks < self.v_split:
+            raise InvalidArgumentError("latent_chunks", self.latent_chunks,
+                                       "1 or 2, and 2 with v_split=2")
 
 
 def unsupported_reasons(fmt: LatentFormat, q_dtype: torch.dtype) -> list[str]:
@@ -101,8 +115,11 @@ def default_config(q_dtype: torch.dtype, gpu: GPU | None) -> MLADecodeConfig:
     if capability[0] == 9:
         # 64 heads (masked below 64): the M of a Hopper warpgroup MMA, which Ampere's
         # MMA would need in registers. 8 warps hold the [64, 512] float32 accumulator in
-        # 128 registers a thread: 226-234 in all for bf16 caches, 239 for fp8 ones
-        return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+        # 128 registers a thread; the warpgroups split the keys of the scores (each
+        # computes 32 of a tile's 64) instead of both computing all of them, and the
+        # latent is one [64, 512] operand (one wait, m64n256 value MMAs)
+        return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2,
+                               latent_chunks=1, split_scores=True)
     if capability[0] >= 10:
         # the [64, 512] float32 accumulator and the scores exceed the 512 columns of
         # Blackwell's tensor memory: each half of the values gets its own program
@@ -258,7 +275,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     num_sms, gpu = (1, None) if interp else _device_facts(q_lat.device)
     cfg = config or default_config(q_lat.dtype, gpu)
     block_l = _next_pow2(L)
-    chunks = 1 if block_l <= _MAX_BOX else 2
+    chunks = 1 if block_l <= _MAX_BOX else cfg.latent_chunks
     lc = block_l // chunks
     block_r = _next_pow2(R)
     v_split = cfg.v_split if chunks == 2 else 1
@@ -301,18 +318,25 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     descs = _descriptors(cache, block_n, lc, block_r) if tma_ok else None
     lat_desc, pe_desc = descs if descs is not None else (cache, cache)
     max_iters = -(-(-(-max_seq_len // splits)) // block_n) + 1 if interp else 0
+    fp16_dot = bool(fp8) and cfg.fp8_fp16_dot and q.dtype == torch.bfloat16
+    fp32_dot = _dot_fp32(q.dtype, interp) and not fp16_dot
+    # the query scaled into float16, staged by the kernel (fp16_dot)
+    q16 = torch.empty(t, n, L + R, dtype=torch.float16, device=q.device) if fp16_dot else q
     decode_kernel[(head_tiles * v_split, splits, t)](
-        q, qe, lat_desc, pe_desc, cache, bt, req, pos,
+        q, qe, q16, lat_desc, pe_desc, cache, bt, req, pos,
         fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,
-        q.stride(0), q.stride(1), qe.stride(0), qe.stride(1), cache.stride(0), cache.stride(1),
+        q.stride(0), q.stride(1), qe.stride(0), qe.stride(1), q16.stride(0), q16.stride(1),
+        cache.stride(0), cache.stride(1),
         bt.stride(0),
         out.stride(0), out.stride(1), *part_strides,
         n, scale, splits,
         KV_LORA=L, ROPE=R, PAGE=page, FP8=fp8, HW_FP8=_hw_fp8(gpu),
-        FP32_DOT=_dot_fp32(q.dtype, interp), SINGLE=single, USE_TMA=descs is not None,
+        FP32_DOT=fp32_dot, SINGLE=single, USE_TMA=descs is not None,
         TILE_IN_PAGE=tile_in_page, DYNAMIC_LOOP=not interp, MAX_ITERS=max_iters,
-        BLOCK_H=block_h, BLOCK_N=block_n, LAT_CHUNKS=chunks, V_SPLIT=v_split, LC=lc,
-        BLOCK_R=block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP16_DOT=fp16_dot,
+        BLOCK_H=block_h, BLOCK_N=block_n, LAT_CHUNKS=chunks, V_SPLIT=v_split,
+        SPLIT_SCORES=cfg.split_scores, LC=lc, BLOCK_R=block_r, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if not single:
         combine_kernel[(n, t)](

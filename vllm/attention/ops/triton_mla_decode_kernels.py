@@ -89,6 +89,32 @@ def _load_tile(
 
 
 @jit
+def _query_as_fp16(q_a: tl.tensor, q_b: tl.tensor, q_pe: tl.tensor,
+                   LAT_CHUNKS: tl.constexpr) -> tl.tensor:  # (q_a, q_b, q_pe, scale)
+    """The query rows in float16, each scaled by the power of two ``2**-e`` that puts
+    its largest magnitude in ``[2**14, 2**15)``, and ``2**e`` per row (float32) for the
+    scores. Exact: a bfloat16 value is a float16 one once its exponent is in range;
+    only values below ``2**-28`` of the row's largest lose bits (float16 subnormals)."""
+    amax = tl.max(tl.abs(q_a.to(tl.float32)), 1)
+    if LAT_CHUNKS == 2:
+        amax = tl.maximum(amax, tl.max(tl.abs(q_b.to(tl.float32)), 1))
+    amax = tl.maximum(amax, tl.max(tl.abs(q_pe.to(tl.float32)), 1))
+    # floor(log2(amax)) from the exponent bits; clamped so that both powers of two are
+    # normal float32 numbers (a zero row, padding, gets 2**100 and stays zero)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 14
+    e = tl.minimum(tl.maximum(e, -100), 100)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]
+    up = ((127 + e) << 23).to(tl.float32, bitcast=True)
+    q_a = (q_a.to(tl.float32) * down).to(tl.float16)
+    if LAT_CHUNKS == 2:
+        q_b = (q_b.to(tl.float32) * down).to(tl.float16)
+    else:
+        q_b = q_a
+    q_pe = (q_pe.to(tl.float32) * down).to(tl.float16)
+    return q_a, q_b, q_pe, up
+
+
+@jit
 def _attend_tile(
     n0: tl.tensor, end: tl.tensor, m_i: tl.tensor, l_i: tl.tensor, acc_a: tl.tensor,
     acc_b: tl.tensor, q_a: tl.tensor, q_b: tl.tensor, q_pe: tl.tensor, qk_scale: tl.tensor,
@@ -98,7 +124,8 @@ def _attend_tile(
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
     HW_FP8: tl.constexpr, FULL: tl.constexpr, USE_TMA: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, LAT_CHUNKS: tl.constexpr, V_SPLIT: tl.constexpr,
-    LC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    SPLIT_SCORES: tl.constexpr, LC: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ) -> tl.tensor:  # (m_i, l_i, acc_a, acc_b)
     """Online-softmax update of ``BLOCK_H`` heads by the rows ``n0 .. n0 + BLOCK_N``
     (scores and the running maximum ``m_i`` in base 2, pre-scaled per head)."""
@@ -111,12 +138,20 @@ def _attend_tile(
         if LAT_CHUNKS == 2:
             s = tl.dot(q_b, tl.trans(k_b), s, input_precision="ieee")
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
+        s = s * qk_scale[:, None]
+    elif SPLIT_SCORES:
+        # each part scaled, then summed: a dot accumulating into another is "chained"
+        # (below), and Triton folds dot + x into the accumulator of the dot
+        s = tl.dot(q_a, tl.trans(k_a)) * qk_scale[:, None]
+        if LAT_CHUNKS == 2:
+            s += tl.dot(q_b, tl.trans(k_b)) * qk_scale[:, None]
+        s += tl.dot(q_pe, tl.trans(k_pe)) * qk_scale[:, None]
     else:
         s = tl.dot(q_a, tl.trans(k_a))
         if LAT_CHUNKS == 2:
             s = tl.dot(q_b, tl.trans(k_b), s)
         s = tl.dot(q_pe, tl.trans(k_pe), s)
-    s = s * qk_scale[:, None]
+        s = s * qk_scale[:, None]
     if not FULL:
         s = tl.where((n0 + tl.arange(0, BLOCK_N) < end)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -130,20 +165,40 @@ def _attend_tile(
         if LAT_CHUNKS == 2 and V_SPLIT == 1:
             acc_b = tl.dot(p, k_b, acc_b * alpha[:, None], input_precision="ieee")
     else:
-        pd = p.to(q_a.dtype)
-        acc_a = tl.dot(pd, k_a, acc_a * alpha[:, None])
+        if SPLIT_SCORES:
+            # Triton gives a dot whose results reach another dot all warps along M: with
+            # 64 heads and 8 warps both warpgroups would compute every score. P and the
+            # rescale are made in a branch the compiler cannot drop (a tile below ``end``
+            # is always taken), so the scores reach the value dot only through the
+            # branch's yield, where that search stops: the score dots split the keys
+            # between the warpgroups, and P reaches both through shared memory. (A tile
+            # past ``end`` has p == 0 and alpha == 1, or an accumulator still zero.)
+            if n0 < end:
+                pd = p.to(q_a.dtype)
+                acc_a = acc_a * alpha[:, None]
+                if LAT_CHUNKS == 2 and V_SPLIT == 1:
+                    acc_b = acc_b * alpha[:, None]
+            else:
+                pd = p.to(q_a.dtype)
+        else:
+            pd = p.to(q_a.dtype)
+            acc_a = acc_a * alpha[:, None]
+            if LAT_CHUNKS == 2 and V_SPLIT == 1:
+                acc_b = acc_b * alpha[:, None]
+        acc_a = tl.dot(pd, k_a, acc_a)
         if LAT_CHUNKS == 2 and V_SPLIT == 1:
-            acc_b = tl.dot(pd, k_b, acc_b * alpha[:, None])
+            acc_b = tl.dot(pd, k_b, acc_b)
     return m_new, l_i, acc_a, acc_b
 
 
 @jit
 def mla_decode_mma_kernel(
-    Q: tl.tensor, Q_PE: tl.tensor, LAT_DESC: tl.tensor_descriptor,
+    Q: tl.tensor, Q_PE: tl.tensor, Q16: tl.tensor, LAT_DESC: tl.tensor_descriptor,
     PE_DESC: tl.tensor_descriptor, C: tl.tensor, BT: tl.tensor, TOK_REQ: tl.tensor,
     TOK_POS: tl.tensor, K_SCALE: tl.tensor,
     OUT: tl.tensor, O_PART: tl.tensor, LSE_PART: tl.tensor,
     stride_qt: tl.tensor, stride_qh: tl.tensor, stride_et: tl.tensor, stride_eh: tl.tensor,
+    stride_16t: tl.tensor, stride_16h: tl.tensor,
     stride_cb: tl.tensor, stride_cs: tl.tensor,
     stride_bt: tl.tensor, stride_xt: tl.tensor, stride_xh: tl.tensor,
     stride_pt: tl.tensor, stride_ph: tl.tensor, stride_ps: tl.tensor,
@@ -152,9 +207,10 @@ def mla_decode_mma_kernel(
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
     HW_FP8: tl.constexpr, FP32_DOT: tl.constexpr, SINGLE: tl.constexpr,
     USE_TMA: tl.constexpr, TILE_IN_PAGE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
-    MAX_ITERS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    LAT_CHUNKS: tl.constexpr, V_SPLIT: tl.constexpr, LC: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    MAX_ITERS: tl.constexpr, FP16_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, LAT_CHUNKS: tl.constexpr, V_SPLIT: tl.constexpr,
+    SPLIT_SCORES: tl.constexpr,
+    LC: tl.constexpr, BLOCK_R: tl.constexpr,
 ) -> None:
     """One (head tile and value part, split, token) program of the dense absorbed decode.
 
@@ -165,7 +221,10 @@ def mla_decode_mma_kernel(
     ``TOK_REQ`` / ``TOK_POS``: ``[T]`` int32 (token ``t`` sees positions
     ``0 .. TOK_POS[t]``). The latent is ``LAT_CHUNKS`` chunks of ``LC`` columns; with
     ``V_SPLIT == 2`` a program accumulates the values of one chunk only (the scores
-    use both). ``FP32_DOT``: IEEE float32 dots, else the query's 16-bit dtype.
+    use both). ``FP32_DOT``: IEEE float32 dots; ``FP16_DOT`` (fp8 caches): float16
+    dots, the fp8 bytes widened to float16 and the query scaled into it
+    (:func:`_query_as_fp16`, staged in ``Q16``, ``[T, N, L + R]`` float16); else the
+    query's 16-bit dtype.
     ``SINGLE``: one split, the normalised output goes to ``OUT`` ``[T, N, L]``;
     otherwise ``O_PART`` ``[T, N, S, L]`` float32 and ``LSE_PART`` ``[T, N, S]`` (base
     2, ``-inf`` for an empty split) for :func:`mla_decode_combine_kernel`.
@@ -188,13 +247,13 @@ def mla_decode_mma_kernel(
     mask_h = offs_h < num_heads
     offs_c = tl.arange(0, LC)
     offs_r = tl.arange(0, BLOCK_R)
+    mask_a = mask_h[:, None] & (col_a + offs_c < KV_LORA)[None, :]
+    mask_b = mask_h[:, None] & (col_b + offs_c < KV_LORA)[None, :]
     q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    q_a = tl.load(q_row + col_a + offs_c[None, :],
-                  mask=mask_h[:, None] & (col_a + offs_c < KV_LORA)[None, :], other=0.0)
+    q_a = tl.load(q_row + col_a + offs_c[None, :], mask=mask_a, other=0.0)
     q_b = q_a
     if LAT_CHUNKS == 2:
-        q_b = tl.load(q_row + col_b + offs_c[None, :],
-                      mask=mask_h[:, None] & (col_b + offs_c < KV_LORA)[None, :], other=0.0)
+        q_b = tl.load(q_row + col_b + offs_c[None, :], mask=mask_b, other=0.0)
     q_pe = tl.load(Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :],
                    mask=mask_h[:, None] & (offs_r < ROPE)[None, :], other=0.0)
     if FP32_DOT:
@@ -207,6 +266,24 @@ def mla_decode_mma_kernel(
     if FP8 != 0:
         k_scale = tl.load(K_SCALE)
     qk_scale = tl.full([BLOCK_H], sm_scale * k_scale * LOG2E, tl.float32)
+    if FP16_DOT:
+        q_a, q_b, q_pe, q_exp = _query_as_fp16(q_a, q_b, q_pe, LAT_CHUNKS)
+        qk_scale = qk_scale * q_exp
+        # through global memory and back: Triton keeps a dot's first operand in shared
+        # memory only when it comes from a load (computed, it would stay in registers:
+        # 144 a thread, and spill)
+        q16_row = Q16 + t * stride_16t + offs_h[:, None] * stride_16h
+        mask_pe = mask_h[:, None] & (offs_r < ROPE)[None, :]
+        tl.store(q16_row + col_a + offs_c[None, :], q_a, mask=mask_a)
+        if LAT_CHUNKS == 2:
+            tl.store(q16_row + col_b + offs_c[None, :], q_b, mask=mask_b)
+        tl.store(q16_row + KV_LORA + offs_r[None, :], q_pe, mask=mask_pe)
+        tl.debug_barrier()
+        q_a = tl.load(q16_row + col_a + offs_c[None, :], mask=mask_a, other=0.0)
+        q_b = q_a
+        if LAT_CHUNKS == 2:
+            q_b = tl.load(q16_row + col_b + offs_c[None, :], mask=mask_b, other=0.0)
+        q_pe = tl.load(q16_row + KV_LORA + offs_r[None, :], mask=mask_pe, other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -222,14 +299,14 @@ def mla_decode_mma_kernel(
                 start + it * BLOCK_N, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale,
                 LAT_DESC, PE_DESC, C, BT, req, col_a, col_b, stride_cb, stride_cs,
                 stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, True, USE_TMA, TILE_IN_PAGE,
-                LAT_CHUNKS, V_SPLIT, LC, BLOCK_N, BLOCK_R)
+                LAT_CHUNKS, V_SPLIT, SPLIT_SCORES, LC, BLOCK_N, BLOCK_R)
         tail = start + n_full * BLOCK_N
         if tail < end:
             m_i, l_i, acc_a, acc_b = _attend_tile(
                 tail, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale,
                 LAT_DESC, PE_DESC, C, BT, req, col_a, col_b, stride_cb, stride_cs,
                 stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, False, USE_TMA, TILE_IN_PAGE,
-                LAT_CHUNKS, V_SPLIT, LC, BLOCK_N, BLOCK_R)
+                LAT_CHUNKS, V_SPLIT, SPLIT_SCORES, LC, BLOCK_N, BLOCK_R)
     else:
         # the interpreter cannot bound a loop by a tensor: the host's upper bound of
         # iterations; whole tiles take the unmasked path, the rest are masked
@@ -240,18 +317,16 @@ def mla_decode_mma_kernel(
                     n0, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale,
                     LAT_DESC, PE_DESC, C, BT, req, col_a, col_b, stride_cb, stride_cs,
                     stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, True, USE_TMA,
-                    TILE_IN_PAGE, LAT_CHUNKS, V_SPLIT, LC, BLOCK_N, BLOCK_R)
+                    TILE_IN_PAGE, LAT_CHUNKS, V_SPLIT, SPLIT_SCORES, LC, BLOCK_N, BLOCK_R)
             else:
                 m_i, l_i, acc_a, acc_b = _attend_tile(
                     n0, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale,
                     LAT_DESC, PE_DESC, C, BT, req, col_a, col_b, stride_cb, stride_cs,
                     stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, False, USE_TMA,
-                    TILE_IN_PAGE, LAT_CHUNKS, V_SPLIT, LC, BLOCK_N, BLOCK_R)
+                    TILE_IN_PAGE, LAT_CHUNKS, V_SPLIT, SPLIT_SCORES, LC, BLOCK_N, BLOCK_R)
 
     seen = l_i > 0.0
     norm = (k_scale / tl.where(seen, l_i, 1.0))[:, None]
-    mask_a = mask_h[:, None] & (col_a + offs_c < KV_LORA)[None, :]
-    mask_b = mask_h[:, None] & (col_b + offs_c < KV_LORA)[None, :]
     both = LAT_CHUNKS == 2 and V_SPLIT == 1
     if SINGLE:
         o_row = OUT + t * stride_xt + offs_h[:, None] * stride_xh + offs_c[None, :]
