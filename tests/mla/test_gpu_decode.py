@@ -79,6 +79,15 @@ def test_deepseek_shape_against_float64(heads: int, cache_dtype: str,
 
 
 VARIANTS = {  # name: MLADecodeConfig arguments
+    "bh64-bn64-w8-s2-1chunk-split": dict(block_h=64, block_n=64, num_warps=8, num_stages=2,
+                                         latent_chunks=1, split_scores=True),
+    "bh64-bn64-w8-s2-split": dict(block_h=64, block_n=64, num_warps=8, num_stages=2,
+                                  split_scores=True),
+    "bh64-bn64-w8-s2-1chunk": dict(block_h=64, block_n=64, num_warps=8, num_stages=2,
+                                   latent_chunks=1),
+    "bh64-bn64-w8-s2-1chunk-split-nofp16": dict(block_h=64, block_n=64, num_warps=8,
+                                                num_stages=2, latent_chunks=1,
+                                                split_scores=True, fp8_fp16_dot=False),
     "bh64-bn64-w8-s2": dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
     "bh64-bn32-w8-s2": dict(block_h=64, block_n=32, num_warps=8, num_stages=2),
     "bh64-bn64-w8-s2-notma": dict(block_h=64, block_n=64, num_warps=8, num_stages=2,
@@ -103,6 +112,24 @@ def test_launch_variants(name: str, cache_dtype: str) -> None:
                          max_seq_len=max(SEQ_LENS), config=cfg, num_splits=5)
     ref = latent_decode_reference(x["q"], x["cache"], x["bt"], x["tokens"], L, 0.07,
                                   x["k_scale"])
+    assert _err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("magnitude", [1e-4, 1e6])
+def test_fp8_float16_dots_take_any_query_magnitude(magnitude: float) -> None:
+    """fp8 cache, bfloat16 model: the dots run in float16 with the query scaled a head
+    by a power of two, so queries past float16's 65504 (or deep in its subnormals) give
+    the result a float64 reference gives."""
+    from vllm.attention.ops.triton_mla_decode import mla_decode_mma
+
+    x = _inputs(128, "fp8", seed=4)
+    q = (x["q"].double() * magnitude).bfloat16()
+    scale = 192 ** -0.5 / magnitude
+    out = mla_decode_mma(q, x["cache"], x["bt"], x["req"], x["pos"], x["fmt"], scale=scale,
+                         max_seq_len=max(SEQ_LENS), out_dtype=torch.bfloat16)
+    ref = latent_decode_reference(q, x["cache"], x["bt"], x["tokens"], L, scale,
+                                  x["k_scale"])
+    assert torch.isfinite(out).all()
     assert _err(out, ref) < TOL
 
 
