@@ -10,7 +10,8 @@ fp8 (E4M3, scale 0.37) caches. Measured in the same run:
 * each decode step, replayed from a CUDA graph and timed by CUDA events: the layer
   (TRITON_MLA, and FLASHMLA, whose portable path runs where ``flash_mla`` does not
   import), the Triton decode alone (``mla_decode_triton``) and the per-row kernel it
-  replaced (``mla_decode_per_row``).
+  replaced (``mla_decode_per_row``), and the layer's pieces one by one ("layer:
+  write", "absorb", "decode" on the layer's strided inputs, "project").
 
 The roofline of a step is ``max(flops / matmul rate, bytes / read rate)`` with
 ``flops = 2 B N S (L + R) + 2 B N S L`` (scores and values) and ``bytes = B S (L + R)``
@@ -149,6 +150,35 @@ class Step:
                                          max_seq_len=m.max_decode_seq_len,
                                          out_dtype=torch.bfloat16)
 
+    def parts(self) -> dict[str, Callable[[], object]]:
+        """The layer's decode step piece by piece, as its forward runs them (a pure
+        decode batch: the query and output rows are read and written in place): the
+        cache write, the query absorption, the decode kernel on the strided absorbed
+        query and rope part, and the output projection into the output rows."""
+        from vllm.attention.ops.triton_mla import mla_decode_triton
+
+        layer, m, proj = self.layer, self.meta, self.spec.projection
+        fmt = layer.impl.latent_format(layer, torch.bfloat16)  # type: ignore[attr-defined]
+        q_nope, q_pe = self.q[..., :P], self.q[..., P:]
+        absorbed = proj.absorb_query(q_nope)
+        o_lat = torch.empty(self.q.shape[0], self.spec.num_heads, L, dtype=self.q.dtype,
+                            device=self.q.device)
+        out3 = self.out.view(self.q.shape[0], self.spec.num_heads, V)
+
+        def decode() -> torch.Tensor:
+            return mla_decode_triton(absorbed, self.cache, m.block_table, m.decode_token_req,
+                                     m.decode_token_pos, fmt, scale=self.spec.scale,
+                                     max_seq_len=m.max_decode_seq_len, out_dtype=self.q.dtype,
+                                     q_pe=q_pe)
+
+        return {
+            "write": lambda: layer.kv_cache_writer.write(
+                self.kv_c, self.k_pe, self.cache, self.batch.new_slots, layer.kv_quant),
+            "absorb": lambda: proj.absorb_query(q_nope),
+            "decode": decode,
+            "project": lambda: proj.project_output(o_lat, out=out3),
+        }
+
     def check(self, requests: int = 4) -> float:
         """Relative error of the Triton decode on the first ``requests`` requests'
         tokens against float64 (the torch path in float64 arithmetic)."""
@@ -218,6 +248,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  "path": "triton", "us": us,
                                  "fraction": roof["roofline_us"] / us,
                                  "rel_err": None if per_row else err})
+                if cuda or args.interpret:  # where the layer's time goes
+                    for part, fn in step.parts().items():
+                        us = _time(fn, device, args.replays)
+                        rows.append({**base, "what": f"  layer: {part}", "path": "", "us": us,
+                                     "fraction": None})
     return {"rates": rates, "rows": rows, "failed": failed}
 
 

@@ -78,9 +78,25 @@ def test_batch_split_any_order() -> None:
     assert [g.req for g in m.decode_groups] == [0, 2, 4]
     assert [g.req for g in m.prefill_groups] == [1, 3]
     assert m.decode_token_idx.tolist() == [0, 71, 74]
+    assert m.decode_rows is None  # scattered: gathered and scattered back
     assert m.uniform_single_token_decode and m.max_decode_seq_len == 131
     assert m.token_pos.tolist()[:3] == [64, 0, 1]
     assert rel_err(_run(s), _reference(s)) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_contiguous_decode_rows_are_read_and_written_in_place(dtype: torch.dtype) -> None:
+    """Decode requests first (as vLLM orders them): their rows are one slice, the query
+    is read and the output written through views, with the result the gather/scatter
+    path gives and the rows of the prefill left to it."""
+    spec = make_spec(dtype=dtype)
+    s = setup("TRITON_MLA", [1, 1, 1, 40], [64, 3, 130, 9], block_size=16, spec=spec,
+              dtype=dtype)
+    assert s.meta.decode_rows == slice(0, 3)
+    in_place = _run(s)
+    gathered = _run(s, dataclasses.replace(s.meta, decode_rows=None))
+    torch.testing.assert_close(in_place, gathered, rtol=0, atol=0)
+    assert rel_err(in_place, _reference(s)) < (2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 @pytest.mark.parametrize("cache_dtype,k_scale", [("fp8", 0.37), ("auto", None)])

@@ -6,6 +6,7 @@ layer (write, then compute) replayed from a CUDA graph with padded query rows.""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -201,6 +202,16 @@ def test_layer_decode_in_a_cuda_graph(name: str, cache_dtype: str) -> None:
         layer.impl.force_path = "torch"  # type: ignore[attr-defined]
         layer(q, kv_c, k_pe, out)
         ref = out.clone()
+    # the decode rows are one slice here (read and written in place); gathered and
+    # scattered, the same numbers
+    assert meta.decode_rows == slice(0, t)
+    with set_forward_context(attn_metadata={"mla": dataclasses.replace(meta, decode_rows=None)},
+                             slot_mapping={"mla": batch.new_slots}):
+        layer.impl.force_path = None  # type: ignore[attr-defined]
+        out.fill_(7.0)
+        layer(q, kv_c, k_pe, out)
+        scattered = out.clone()
+    assert torch.equal(scattered, eager)
     assert torch.all(eager[t:] == 7.0) and torch.all(replayed[t:] == 7.0)
     assert _err(replayed[:t].float(), eager[:t].double()) < 1e-3
     assert _err(eager[:t].float(), ref[:t].double()) < TOL

@@ -95,6 +95,10 @@ class MLAMetadata(CommonAttentionMetadata, AttentionMetadata):
     """Every decode request has exactly one query token (what vendor decode kernels take)."""
     prefill_chunk_tokens: int
     """Context tokens expanded at once on the prefill path (bounds its memory)."""
+    decode_rows: slice | None = None
+    """``decode_token_idx`` as one slice of ``q`` when the decode rows are contiguous
+    (vLLM puts decode requests first): the forward then reads the query and writes the
+    output in place instead of gathering and scattering them."""
 
     @property
     def num_decode_tokens(self) -> int:
@@ -189,6 +193,8 @@ def split_batch(cls: type[MT], common: CommonAttentionMetadata, *, decode_thresh
         decode_block_table=common.block_table[dec_reqs_t],
         max_decode_seq_len=max((g.seq_len for g in dec_groups), default=0),
         uniform_single_token_decode=single, prefill_chunk_tokens=prefill_chunk_tokens,
+        decode_rows=(slice(dec_idx[0], dec_idx[-1] + 1)
+                     if dec_idx and dec_idx[-1] - dec_idx[0] + 1 == len(dec_idx) else None),
     )
 
 
@@ -321,10 +327,15 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
         paths: list[str] = []
         if meta.num_decode_tokens:
             path = self.decode_path(query.device, meta)
-            q = query[meta.decode_token_idx]
-            o_lat = self._decode(path, q, kv_cache, meta, fmt)
-            out3[meta.decode_token_idx] = spec.projection.project_output(
-                o_lat.to(query.dtype)).to(output.dtype)
+            rows = meta.decode_rows
+            q = query[meta.decode_token_idx] if rows is None else query[rows]
+            o_lat = self._decode(path, q, kv_cache, meta, fmt).to(query.dtype)
+            if rows is not None and output.dtype == query.dtype:
+                # the output projection writes its rows of the output directly
+                spec.projection.project_output(o_lat, out=out3[rows])
+            else:
+                out3[meta.decode_token_idx] = spec.projection.project_output(
+                    o_lat).to(output.dtype)
             paths.append(path)
         if meta.num_prefill_tokens:
             q = query[meta.prefill_token_idx]
