@@ -1,6 +1,8 @@
-"""Sweep the Triton paged kernel's prefill tiles (and, with ``--flex``, a few
-FlexAttention kernel options) on the prefill targets, against torch's flash kernel
-measured in the same run.
+"""Sweep the Triton paged kernel's prefill tiles on the prefill targets, against torch's
+flash kernel measured in the same run; with ``--flex``, FlexAttention instead: its decode
+(page_table mode) against the Triton decode kernel on the same cache (Inductor
+decode-kernel launches, page sizes, partly written last pages, host time per call),
+then a few prefill kernel options against the flash kernel.
 
 Shapes as ``bench_prefill.py`` (8 x 2048 fresh, 8 x (2048 + 2048) chunked, 32/8 heads,
 D=128, bf16, page 16; ``--block-size`` changes the page). Each variant runs
@@ -13,8 +15,8 @@ variants after ``--budget`` seconds (default 150: the whole run stays under 3 mi
 on an H200, compiles included) and reports what it measured, best first, with the
 launch ``choose_config`` picks today marked ``default``.
 
-    python benchmarks/tune_prefill.py --out DIR          # DIR/tune_prefill.json + .txt
-    python benchmarks/tune_prefill.py --flex --out DIR   # plus flex kernel options
+    python benchmarks/tune_prefill.py --out DIR                     # DIR/tune_prefill.json + .txt
+    python benchmarks/tune_prefill.py --flex --budget 120 --out DIR  # DIR/tune_flex.json + .txt
 """
 
 from __future__ import annotations
@@ -171,8 +173,98 @@ def sweep_flex(shapes: list[Shape], args: argparse.Namespace, device: torch.devi
     return rows
 
 
+DECODE_OPTIONS: list[dict[str, Any]] = [
+    {},                                            # the op's launch (decode_launch)
+    {"num_stages": 1, "num_warps": 2},             # Inductor's on an H200 (1 stage)
+    {"num_stages": 2, "num_warps": 2},
+    {"num_stages": 4, "num_warps": 2},
+    {"num_stages": 3, "num_warps": 4},
+    {"num_stages": 3, "num_warps": 2, "SPLIT_KV": 2},
+    {"num_stages": 3, "num_warps": 2, "SPLIT_KV": 4},
+    {"num_stages": 4, "num_warps": 4, "SPLIT_KV": 2},
+]
+DECODE_PAGES = (64, 128)
+"""Page sizes timed besides ``--block-size`` (the decode kernel's key tile is a page)."""
+
+
+def sweep_flex_decode(args: argparse.Namespace, device: torch.device, deadline: float
+                      ) -> list[dict[str, Any]]:
+    """FlexAttention decode (page_table mode) against the Triton decode kernel on the same
+    cache: Inductor decode-kernel launches, page sizes, a batch whose last pages are
+    partly written (the torch tail path), and the host time per call."""
+    from _timing import host_us
+
+    from vllm.attention.ops import flex_paged
+    from vllm.attention.ops.triton_paged_attention import paged_attention_triton
+
+    b, ctx = args.decode_batch, args.decode_context
+    scale = args.head_size ** -0.5
+    rows: list[dict[str, Any]] = []
+    runs: list[tuple[int, int, list[dict[str, Any]]]] = [(args.block_size, ctx, DECODE_OPTIONS)]
+    runs += [(bs, ctx, [{}]) for bs in DECODE_PAGES if bs != args.block_size]
+    runs += [(args.block_size, ctx - 6, [{}])]  # last pages 10 of 16 rows written: tails
+    g = torch.Generator().manual_seed(1)
+    for bs, c, options in runs:
+        if time.monotonic() > deadline:
+            rows.append(dict(shape="-", variant="(budget spent: remaining variants skipped)"))
+            break
+        sub = argparse.Namespace(**{**vars(args), "block_size": bs})
+        shape = Shape(f"decode {b}x{c} page {bs}", [c - 1] * b, [1] * b, sub, device, g)
+        kv = _cache(shape, sub, L.SPLIT_BLOCK_INTERLEAVED)
+        kv_bytes = 2 * b * c * args.kv_heads * args.head_size * shape.q.element_size()
+        meta = shape.batch.common
+        ref = torch.empty_like(shape.q)
+
+        def triton(out: torch.Tensor = ref, shape: Shape = shape, kv: PagedKV = kv) -> Any:
+            return paged_attention_triton(shape.q, kv, shape.batch.common, scale=scale,
+                                          output=out, causal=True)
+
+        triton()
+        base_us = event_us(triton, iters=args.iters, warmup=2, rounds=3, device=device)
+        rows.append(dict(shape=shape.name, variant="triton decode (op)", time_us=base_us,
+                         gbps=kv_bytes / base_us / 1e3, ratio=1.0,
+                         note=f"host {host_us(triton, device, calls=200, rounds=3)['loop_us']:.0f} us/call"))
+        for opts in options:
+            if time.monotonic() > deadline:
+                rows.append(dict(shape=shape.name, variant="(budget spent)"))
+                break
+            out = torch.empty_like(shape.q)
+
+            def flex(opts: dict[str, Any] = opts, out: torch.Tensor = out, shape: Shape = shape,
+                     kv: PagedKV = kv) -> Any:
+                return flex_paged.flex_paged_attention(
+                    shape.q, kv, meta, scale=scale, output=out, mode="page_table",
+                    compiled=True, kernel_options=opts or None)
+
+            t0 = time.perf_counter()
+            try:
+                flex()
+                torch.cuda.synchronize(device)
+            except Exception as exc:  # a launch that does not compile: report, keep going
+                rows.append(dict(shape=shape.name, variant=f"flex {opts}",
+                                 note=f"{type(exc).__name__}: {str(exc)[:100]}"))
+                continue
+            first = time.perf_counter() - t0
+            info = flex_paged.last_run
+            t = event_us(flex, iters=args.iters, warmup=2, rounds=3, device=device)
+            host = host_us(flex, device, calls=50, rounds=3)["loop_us"] if not opts else None
+            launch = {**flex_paged.decode_launch(device), **opts}
+            err = _rel(out, ref)
+            rows.append(dict(shape=shape.name, variant=f"flex {launch or 'inductor default'}",
+                             time_us=t, gbps=kv_bytes / t / 1e3, ratio=base_us / t, rel_err=err,
+                             default=not opts,
+                             note=(f"{'' if err <= 2e-2 else 'WRONG: error above 2e-2; '}"
+                                   f"{'' if info is None or info.compiled else f'EAGER {info}; '}"
+                                   f"first call {first:.1f} s"
+                                   + ("" if host is None else f"; host {host:.0f} us/call"))))
+        del shape, kv
+        torch.cuda.empty_cache()
+    return rows
+
+
 COLUMNS = [("shape", "shape", ""), ("variant", "variant", ""), ("default", "default", ""),
-           ("time_us", "time us", ".1f"), ("tflops", "TFLOP/s", ".1f"), ("ratio", "vs flash", ".3f"),
+           ("time_us", "time us", ".1f"), ("tflops", "TFLOP/s", ".1f"), ("gbps", "GB/s", ".0f"),
+           ("ratio", "vs base", ".3f"),
            ("rel_err", "rel err", ".1e"), ("note", "note", "")]
 
 
@@ -189,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--budget", type=float, default=150.0, help="seconds before skipping variants")
-    p.add_argument("--flex", action="store_true", help="also time flex kernel options")
+    p.add_argument("--flex", action="store_true",
+                   help="time FlexAttention instead: decode launches and pages, then prefill "
+                        "kernel options (--budget for all of it)")
+    p.add_argument("--decode-batch", type=int, default=64)
+    p.add_argument("--decode-context", type=int, default=4096)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune_prefill.py needs CUDA (it times compiled kernels); nothing to do here")
@@ -201,24 +297,30 @@ def main(argv: list[str] | None = None) -> int:
     r, n, c = args.requests, args.new_tokens, args.cached_tokens
     shapes = [Shape(f"fresh {r}x{n}", [0] * r, [n] * r, args, device, g),
               Shape(f"chunked {r}x({c}+{n})", [c] * r, [n] * r, args, device, g)]
-    rows = sweep_triton(shapes, args, device, deadline)
     if args.flex:
-        rows += sweep_flex(shapes, args, device, deadline + 120)
-    ranked = sorted((row for row in rows if row.get("ratio") is not None and row["variant"].startswith("triton")),
+        rows = sweep_flex_decode(args, device, deadline)
+        rows += sweep_flex(shapes, args, device, deadline)
+        prefix = "flex"
+    else:
+        rows = sweep_triton(shapes, args, device, deadline)
+        prefix = "triton"
+    ranked = sorted((row for row in rows if row.get("ratio") is not None
+                     and row["variant"].startswith(prefix)),
                     key=lambda row: (row["shape"], -row["ratio"]))
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
         print("all variants, in the order run:")
         print_table(rows, COLUMNS)
-        print("\nTriton variants, best first per shape:")
+        print(f"\n{prefix} variants, best first per shape:")
         print_table(ranked, COLUMNS)
     print(text.getvalue(), end="")
     if args.out is not None:
         meta = device_info(device)
         meta["args"] = {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v)
                         for k, v in vars(args).items()}
-        write_json(args.out, "tune_prefill.json", {"meta": meta, "rows": rows})
-        (args.out / "tune_prefill.txt").write_text(text.getvalue())
+        stem = "tune_flex" if args.flex else "tune_prefill"
+        write_json(args.out, f"{stem}.json", {"meta": meta, "rows": rows})
+        (args.out / f"{stem}.txt").write_text(text.getvalue())
     return 0
 
 

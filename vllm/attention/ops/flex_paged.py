@@ -669,6 +669,10 @@ def _run_page_table(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, *,
     options = dict(kernel_options or {})
     if bs < 128:  # a kernel key tile must divide the mask's (one page)
         options.setdefault("BLOCK_N", bs)
+    group = query.shape[1] // kv.num_kv_heads
+    if t.q_len < 128 and group & (group - 1) == 0:  # Inductor runs its decode kernel
+        for key, value in decode_launch(kv.device).items():
+            options.setdefault(key, value)
     out, lse = _call_flex(q4, k4, v4, block_mask=t.block_mask,
                           score_mod=_soft_cap_mod(logits_soft_cap), scale=scale,
                           compiled=True, lse=t.has_tail, kernel_options=options)
@@ -677,6 +681,22 @@ def _run_page_table(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, *,
                                          window=sliding_window, cap=logits_soft_cap)
         out = _merge(out, lse, tail, tail_lse)
     return out, idx
+
+
+@functools.cache
+def decode_launch(device: torch.device) -> dict[str, int]:
+    """Stages and warps of Inductor's decode kernel (page_table mode) on ``device``.
+
+    Inductor's own choice for sm_90 / sm_100 / sm_103 is 3 stages, 2 warps (64-key
+    tiles), but in torch 2.11-2.13 the branch for sm_110 that follows it resets every
+    other device to 1 stage, so its decode loop runs unpipelined; here the key tile is
+    a page (16 keys at page 16), which makes the pipelining matter more, not less.
+    ``benchmarks/tune_prefill.py --flex`` times this against the alternatives.
+    """
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) in (
+            (9, 0), (10, 0), (10, 3)):
+        return {"num_stages": 3, "num_warps": 2}
+    return {}
 
 
 # -- entry point --------------------------------------------------------------------------
