@@ -99,6 +99,9 @@ def sweep_triton(shapes: list[Shape], args: argparse.Namespace, device: torch.de
                 for (m, n), w, s in itertools.product(TILES, WARPS, STAGES)]
     defaults = [p[4] for p in prepared]
     variants = defaults + [v for v in variants if v not in defaults]
+    variants += [TritonLaunchConfig(block_m=128, block_n=n, num_splits=1, num_warps=4,
+                                    num_stages=5, split_masks=True, reverse_tiles=True)
+                 for n in (32, 64)]
     variants += [TritonLaunchConfig(**{**vars(d), "reverse_tiles": False}) for d in defaults]
     variants += [TritonLaunchConfig(**{**vars(d), "split_masks": False}) for d in defaults]
     for cfg in dict.fromkeys(variants):  # once each, in order

@@ -138,7 +138,8 @@ def choose_config(
     Decode-shaped batches (every request's queries fit one tile) use ``block_m=16``
     and, for contexts of at least ``2 * MIN_SPLIT_TOKENS``, split the key range by
     :func:`split_heuristic` (few programs -> more splits). Prefill uses ``block_m=64``
-    (128 for long prompts with few heads per group).
+    (128 for long prompts with few heads per group: :data:`LONG_PREFILL` for 16-bit
+    queries and heads up to 128).
     """
     group = num_heads // kv.num_kv_heads
     small_m = max(16, _pow2(group))
@@ -165,9 +166,34 @@ def choose_config(
     if num_splits < 1:
         raise InvalidArgumentError("num_splits", num_splits, ">= 1")
     num_warps = 4 if block_m * block_n <= 64 * 64 else 8
+    num_stages = 3
+    if block_m >= 128 and wide <= 128 and not fp32:
+        block_n, num_warps, num_stages = LONG_PREFILL
     return TritonLaunchConfig(block_m=block_m, block_n=block_n, num_splits=num_splits,
-                              num_warps=num_warps, num_stages=3, split_masks=not decode,
+                              num_warps=num_warps, num_stages=num_stages, split_masks=not decode,
                               reverse_tiles=not decode)
+
+
+LONG_PREFILL = (32, 4, 4)
+"""``(block_n, num_warps, num_stages)`` of 128-row prefill tiles (16-bit, D <= 128).
+
+``benchmarks/tune_prefill.py`` on an H200 (2026-12-01, 32 query / 8 kv heads, D=128,
+bf16, page 16; x torch's flash kernel, higher is better):
+
+=====================  ================  ======================
+launch                 fresh 8 x 2048    chunked 8 x (2048+2048)
+=====================  ================  ======================
+n32, 4 warps, 4 st.    **0.929**         0.937
+n32, 4 warps, 3 st.    0.912             0.925
+n64, 4 warps, 4 st.    0.892             **0.949**
+n64, 4 warps, 3 st.    0.887             0.943
+n64, 8 warps, 3 st.    0.824 (before)    0.890 (before)
+=====================  ================  ======================
+
+The first has the best worst case (and geometric mean) of the two targets; the raw
+rows are in ``benchmarks/results/h200/2026-12-01-04633ad-modified/tune_prefill.txt``.
+Other head sizes and fp32 keep the earlier rule (32-key tiles there, 3 stages).
+"""
 
 
 def paged_attention_triton(

@@ -1,0 +1,164 @@
+"""The Triton kernel's long-prefill launch (``LONG_PREFILL``: 128-row tiles of 32 keys,
+4 warps, 4 stages, for 16-bit queries and heads up to 128) and where it replaces the
+flash varlen path: the heuristic's choices (decode's unchanged), the launch's result
+against float64 with NaN in unowned slots (interpreter; CUDA under the gpu marker), and
+``choose_path`` on the device it was measured on."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.ops.paged_cases import TOLERANCE, Case, L, build, rel_err
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def _require(device: str) -> None:
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed (pip install triton)")
+    from vllm.attention.ops.triton_paged_attention import triton_unavailable_reason
+
+    reason = triton_unavailable_reason(torch.device(device))
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _config(head_size: int, dtype: torch.dtype, max_query_len: int, group: int = 4) -> object:
+    from vllm.attention.ops.triton_paged_attention import choose_config
+
+    kv = build(Case(L.SPLIT_NHD, num_kv_heads=2, group=group, head_size=head_size,
+                    query_lens=(1,), context_lens=(3,))).kv
+    return choose_config(kv, num_heads=2 * group, num_reqs=2, max_query_len=max_query_len,
+                         max_seq_len=8192, query_dtype=dtype)
+
+
+def test_long_prefills_take_the_measured_launch() -> None:
+    from vllm.attention.ops.triton_paged_attention import LONG_PREFILL, TritonLaunchConfig
+
+    n, warps, stages = LONG_PREFILL
+    for d, dtype in ((128, BF16), (64, FP16)):
+        assert _config(d, dtype, 2048) == TritonLaunchConfig(
+            block_m=128, block_n=n, num_splits=1, num_warps=warps, num_stages=stages,
+            split_masks=True, reverse_tiles=True)
+    # what was not measured keeps the earlier rule
+    for d, dtype in ((256, BF16), (128, torch.float32)):
+        assert _config(d, dtype, 2048) == TritonLaunchConfig(
+            block_m=128, block_n=32, num_splits=1, num_warps=4, num_stages=3,
+            split_masks=True, reverse_tiles=True)
+    assert _config(128, BF16, 512) == TritonLaunchConfig(  # 2048 rows: 64-row tiles
+        block_m=64, block_n=64, num_splits=1, num_warps=4, num_stages=3,
+        split_masks=True, reverse_tiles=True)
+
+
+def test_decode_launches_are_unchanged() -> None:
+    from vllm.attention.ops.triton_paged_attention import TritonLaunchConfig
+
+    dec = _config(128, BF16, 1)
+    assert (dec.block_m, dec.block_n, dec.num_warps, dec.num_stages) == (16, 64, 4, 3)  # type: ignore[attr-defined]
+    assert not dec.split_masks and not dec.reverse_tiles  # type: ignore[attr-defined]
+    assert isinstance(dec, TritonLaunchConfig) and dec.num_splits >= 1
+
+
+INTERP = [
+    Case(L.SPLIT_NHD, "auto", dtype=BF16, query_lens=(70, 1, 33), context_lens=(25, 70, 0)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, "auto", dtype=FP16, sliding_window=19,
+         query_lens=(70, 1, 33), context_lens=(25, 70, 0)),
+    Case(L.SPLIT_KV_FIRST, "auto", dtype=BF16, logits_soft_cap=4.0, query_lens=(65, 2),
+         context_lens=(40, 100)),
+]
+
+
+@pytest.mark.parametrize("case", INTERP, ids=[c.id() for c in INTERP])
+def test_interpreter_runs_the_long_prefill_tile(case: Case) -> None:
+    """The launch's tile shape (128 rows = 32 tokens x 4 heads, 32-key tiles, edge-only
+    masks, last-first) on small batches, under the interpreter."""
+    _require("cpu")
+    from vllm.attention.ops.triton_paged_attention import (
+        LONG_PREFILL,
+        TritonLaunchConfig,
+        paged_attention_triton,
+    )
+
+    n, warps, stages = LONG_PREFILL
+    cfg = TritonLaunchConfig(block_m=128, block_n=n, num_splits=1, num_warps=warps,
+                             num_stages=stages, split_masks=True, reverse_tiles=True)
+    b = build(case)
+    out = b.new_output()
+    paged_attention_triton(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
+                           sliding_window=case.sliding_window,
+                           logits_soft_cap=case.logits_soft_cap, config=cfg)
+    assert not out.isnan().any()
+    err = rel_err(out, b.reference)
+    assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
+
+
+def test_off_the_measured_devices_flash_varlen_keeps_its_rule() -> None:
+    from vllm.attention.batch import make_paged_batch
+    from vllm.attention.ops.flash_varlen import flash_varlen_worth_it, triton_measured_faster
+
+    kv = build(Case(L.SPLIT_NHD, dtype=BF16, head_size=128, query_lens=(4,), context_lens=(3,))).kv
+    fresh = make_paged_batch([2048] * 2, [0, 0], block_size=16).common
+    assert triton_measured_faster(fresh, kv, 8, 2) is None  # a CPU cache
+    assert flash_varlen_worth_it(fresh, kv, 8, 2, causal=True, sliding_window=None) is None
+
+
+# -- CUDA ----------------------------------------------------------------------------------
+
+GPU = [
+    Case(L.SPLIT_NHD, "auto", dtype=BF16, num_kv_heads=2, group=4, head_size=128,
+         query_lens=(1024, 1, 1500), context_lens=(0, 3000, 1024)),
+    Case(L.SPLIT_NHD, "fp8_e4m3", dtype=BF16, num_kv_heads=2, group=4, head_size=128,
+         block_size=64, sliding_window=300, query_lens=(1024, 513), context_lens=(1000, 0)),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, "auto", dtype=FP16, num_kv_heads=1, group=8, head_size=64,
+         block_size=128, logits_soft_cap=30.0, query_lens=(900, 65), context_lens=(100, 2000)),
+    Case(L.SPLIT_KV_FIRST, "auto", dtype=BF16, num_kv_heads=8, group=4, head_size=128,
+         query_lens=(2048,) * 2, context_lens=(0, 2048)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU, ids=[c.id() for c in GPU])
+def test_cuda_default_long_prefill_launch(case: Case) -> None:
+    _require("cuda")
+    from vllm.attention.ops.triton_paged_attention import (
+        LONG_PREFILL,
+        choose_config,
+        paged_attention_triton,
+    )
+
+    b = build(case, "cuda")
+    meta = b.batch.common
+    cfg = choose_config(b.kv, num_heads=case.num_heads, num_reqs=meta.num_reqs,
+                        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+                        query_dtype=case.dtype)
+    assert cfg.block_m == 128 and (cfg.block_n, cfg.num_warps, cfg.num_stages) == LONG_PREFILL
+    out = b.new_output()
+    paged_attention_triton(b.query, b.kv, meta, scale=case.scale, output=out,
+                           sliding_window=case.sliding_window,
+                           logits_soft_cap=case.logits_soft_cap)
+    assert not out.isnan().any()
+    err = rel_err(out, b.reference)
+    assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+def test_cuda_choose_path_for_long_prefills() -> None:
+    """On the device the launch was measured on, long prefills run Triton; a prefill
+    whose Triton launch was not measured (D=256) keeps the flash varlen path."""
+    from vllm.attention.ops.flash_varlen import TRITON_MEASURED_ON, flash_varlen_unavailable
+    from vllm.attention.ops.paged_attention import choose_path
+
+    if flash_varlen_unavailable(torch.device("cuda")) is not None:
+        pytest.skip("no flash varlen kernel here")
+    long = build(Case(L.SPLIT_NHD, dtype=BF16, head_size=128, query_lens=(2048,),
+                      context_lens=(0,)), "cuda")
+    wide = build(Case(L.SPLIT_NHD, dtype=BF16, head_size=256, query_lens=(2048,),
+                      context_lens=(0,)), "cuda")
+    measured = torch.cuda.get_device_capability() in TRITON_MEASURED_ON
+    assert choose_path(long.query, long.kv, long.batch.common) == (
+        "triton" if measured else "flash_varlen")
+    assert choose_path(wide.query, wide.kv, wide.batch.common) == "flash_varlen"
