@@ -12,7 +12,9 @@ when ``flashinfer`` imports.
 * ``compute``: ``impl.forward`` alone over the filled cache;
 * ``op triton``: the paged Triton kernel called directly on the layer's cache
   (``paged_attention_triton``), whatever path the layer picks; and
-  ``TRITON_ATTN [flash_varlen off]``, the layer with its prefill on that kernel;
+  ``TRITON_ATTN [flash_varlen off]`` / ``[flash_varlen on]``, the layer with its prefill
+  on that kernel / on the flash varlen path (whichever the layer's own choice is not,
+  for the comparison);
 * baselines: ``sdpa flash (dense)``, ``scaled_dot_product_attention(q, k, v,
   is_causal=True, enable_gqa=True)`` under ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``
   on ``[B, H, S, D]`` views of the same tensors (fresh); for chunked prefill the same
@@ -144,7 +146,8 @@ def baselines(shape: Shape, args: argparse.Namespace, device: torch.device
             res = ops._flash_attention_forward(
                 shape.q, shape.k_all, shape.v_all, shape.cu_q, shape.cu_k, shape.max_q,
                 shape.max_k, 0.0, True, False, scale=scale)
-            return res[0]
+            first: torch.Tensor = res[0]
+            return first
 
         out.append(("flash varlen (gathered K/V)", varlen))
     else:  # CPU smoke run: the float32 reference, request by request
@@ -188,20 +191,23 @@ def _layer_for(name: str, shape: Shape, args: argparse.Namespace, device: torch.
 
 
 @contextlib.contextmanager
-def _flash_varlen_off(off: bool) -> Iterator[None]:
-    """With ``off``, the portable path's prefill runs the paged Triton kernel (the layer's
-    other choices unchanged): the Triton kernel's rate through the layer."""
-    if not off:
+def _flash_varlen(force: str | None) -> Iterator[None]:
+    """``"off"``: the portable path's prefill runs the paged Triton kernel; ``"on"``: it
+    runs the flash varlen path wherever that computes the call (its cost rule and the
+    Triton launch's measured rule set aside); the layer's other choices unchanged."""
+    if force is None:
         yield
         return
     from vllm.attention.ops import flash_varlen
 
-    saved = flash_varlen.flash_varlen_unavailable
-    flash_varlen.flash_varlen_unavailable = lambda device: "switched off by bench_prefill"
+    name = "flash_varlen_unavailable" if force == "off" else "flash_varlen_worth_it"
+    saved = getattr(flash_varlen, name)
+    setattr(flash_varlen, name, (lambda device: "switched off by bench_prefill")
+            if force == "off" else (lambda *args, **kwargs: None))
     try:
         yield
     finally:
-        flash_varlen.flash_varlen_unavailable = saved
+        setattr(flash_varlen, name, saved)
 
 
 def _time(fn: Callable[[], object], args: argparse.Namespace, device: torch.device) -> float:
@@ -223,18 +229,19 @@ def bench_prefill_shape(shape: Shape, args: argparse.Namespace, device: torch.de
                          path="-", time_us=t, tflops=shape.flops / t / 1e6,
                          ratio=None if base_us is None else base_us / t,
                          rel_err=None if ref_out is None or i == 0 else _rel(res, ref_out)))
-    runs = [(name, False) for name in args.backends]
+    runs: list[tuple[str, str | None]] = [(name, None) for name in args.backends]
     if "TRITON_ATTN" in args.backends and device.type == "cuda":
-        runs.insert(runs.index(("TRITON_ATTN", False)) + 1, ("TRITON_ATTN", True))
-    for name, no_flash in runs:
+        at = runs.index(("TRITON_ATTN", None)) + 1
+        runs[at:at] = [("TRITON_ATTN", "off"), ("TRITON_ATTN", "on")]
+    for name, force in runs:
         if name == "FLASHINFER" and not _importable("flashinfer"):
             rows.append(dict(shape=shape.name, impl=name, what="-", path="-",
                              note="flashinfer is not importable here"))
             continue
         out = torch.empty_like(shape.q)
-        label = f"{name} [flash_varlen off]" if no_flash else name
+        label = name if force is None else f"{name} [flash_varlen {force}]"
         with _layer_for(name, shape, args, device) as (layer, meta, cache), \
-                _flash_varlen_off(no_flash):
+                _flash_varlen(force):
             impl: Any = layer.impl
 
             def step() -> Any:
@@ -257,7 +264,7 @@ def bench_prefill_shape(shape: Shape, args: argparse.Namespace, device: torch.de
                     ratio=None if base_us is None else base_us / t, rel_err=err,
                     first_call_s=first_s if what == "layer" else None,
                     note="; ".join(impl.last_fallbacks)))
-            if name == "TRITON_ATTN" and not no_flash and device.type == "cuda":
+            if name == "TRITON_ATTN" and force is None and device.type == "cuda":
                 rows.append(_op_triton_row(shape, layer, meta, out, args, device, ref_out,
                                            base_us))
     return rows
