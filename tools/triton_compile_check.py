@@ -213,6 +213,10 @@ def record_mla(target: Target) -> list[Call]:
             q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
             triton_mla.mla_decode_triton(q, cache, bt, req, pos, fmt, scale=0.1,
                                          max_seq_len=101)
+            if cdt != "fp8_ds_mla":  # DeepSeek-V3's 128 heads: the 64-head tiles
+                triton_mla.mla_decode_triton(torch.zeros(2, 128, 576, dtype=torch.bfloat16),
+                                             cache, bt, req, pos, fmt, scale=0.1,
+                                             max_seq_len=101)
             topk = torch.zeros(2, 64, dtype=torch.int32)
             triton_mla.mla_sparse_triton(q, cache, topk, req, pos, bt, fmt, scale=0.1)
     return calls

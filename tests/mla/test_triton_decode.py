@@ -50,6 +50,7 @@ class Case:
     latent_chunks: int = 2
     split_scores: bool = False
     fp16_dot: bool = True
+    heads_as_n: bool = False
 
     @property
     def id(self) -> str:
@@ -58,7 +59,8 @@ class Case:
                          "" if self.tma else "-notma", "" if self.hw_fp8 else "-softfp8",
                          "-onechunk" if self.latent_chunks == 1 else "",
                          "-splitscores" if self.split_scores else "",
-                         "" if self.fp16_dot else "-nofp16dot"])
+                         "" if self.fp16_dot else "-nofp16dot",
+                         "-headsN" if self.heads_as_n else ""])
         return (f"{str(self.dtype).split('.')[-1]}-{self.cache_dtype}-L{self.L}R{self.R}"
                 f"-H{self.heads}-page{self.page}-s{self.splits}{extra}")
 
@@ -90,6 +92,11 @@ CASES = [
     Case("fp8_e5m2", torch.bfloat16, 512, 64, 2, 16, 1, split_scores=True, tma=False),
     # fp8 with a bfloat16 model: float16 dots (above) or the bfloat16 ones
     Case("fp8", torch.bfloat16, 32, 16, 3, 16, 2, fp16_dot=False),
+    # few heads as the N of the MMAs (the sm_90 default at <= 16 heads, non-fp8 caches)
+    Case("auto", torch.bfloat16, 512, 64, 3, 16, 3, latent_chunks=1, heads_as_n=True),
+    Case("auto", torch.float16, 32, 16, 2, 24, 2, heads_as_n=True),
+    Case("auto", torch.float32, 24, 8, 3, 16, 1, heads_as_n=True),
+    Case("fp8", torch.bfloat16, 512, 64, 2, 16, 2, v_split=2, heads_as_n=True, tma=False),
 ]
 
 
@@ -169,7 +176,8 @@ def test_decode_matches_float64(case: Case, tma_calls: list[bool],
     cfg = tmd.MLADecodeConfig(block_h=16, block_n=case.block_n, num_warps=4, num_stages=1,
                               v_split=case.v_split, tma=case.tma,
                               latent_chunks=case.latent_chunks,
-                              split_scores=case.split_scores, fp8_fp16_dot=case.fp16_dot)
+                              split_scores=case.split_scores, fp8_fp16_dot=case.fp16_dot,
+                              heads_as_n=case.heads_as_n)
     scale = (case.L + case.R) ** -0.5
     out = tmd.mla_decode_mma(q, cache, bt, req, pos, fmt, scale=scale,
                              max_seq_len=max(SEQ_LENS), config=cfg, num_splits=case.splits)
@@ -299,6 +307,22 @@ def test_errors_name_the_argument() -> None:
     with pytest.raises(InvalidArgumentError, match="latent_chunks: got 1.*v_split=2"):
         MLADecodeConfig(block_h=64, block_n=16, num_warps=4, num_stages=1, v_split=2,
                         latent_chunks=1)
+
+
+def test_default_launches_by_device_heads_and_cache() -> None:
+    from vllm.attention.ops.triton_mla_decode import default_config
+    from vllm.attention.writers.kernels.device import GPU
+
+    hopper = GPU("nvidia", (9, 0))
+    wide = default_config(torch.bfloat16, hopper)
+    assert (wide.block_h, wide.split_scores, wide.latent_chunks) == (64, True, 1)
+    narrow = default_config(torch.bfloat16, hopper, num_heads=16)
+    assert (narrow.block_h, narrow.heads_as_n) == (16, True)
+    # fp8: the widened tile as the first operand would stay in registers
+    assert not default_config(torch.bfloat16, hopper, num_heads=16, fp8=True).heads_as_n
+    assert not default_config(torch.bfloat16, hopper, num_heads=32).heads_as_n
+    assert default_config(torch.bfloat16, GPU("nvidia", (10, 0)), num_heads=16).v_split == 2
+    assert default_config(torch.bfloat16, None).block_h == 16
 
 
 def test_choose_splits_fills_the_device_and_no_more() -> None:

@@ -44,7 +44,9 @@ class MLADecodeConfig:
     compute the scores); ``num_splits`` None: chosen per call from the batch, the
     head tiles, the context and the device (:func:`choose_splits`); ``tma``: load
     whole tiles with the Tensor Memory Accelerator where the device and the cache
-    allow it (sm_90+, rows contiguous and 16-byte aligned); ``latent_chunks``: the
+    allow it (sm_90+, rows contiguous and 16-byte aligned); ``heads_as_n``: the heads
+    as the N of both MMAs (``S^T = K Q^T``, ``O^T += K^T P^T``) instead of their M, for
+    layers with few heads (M is at least 64 rows on Hopper); ``latent_chunks``: the
     latent's columns in one dot and one load (1) or two halves (2; ``v_split`` 2
     needs them); ``split_scores``: the warps of the score dots split the keys instead
     of all lying along the heads (``docs/mla.md``: with 64 heads and 8 warps, both
@@ -64,6 +66,7 @@ class MLADecodeConfig:
     latent_chunks: int = 2
     split_scores: bool = False
     fp8_fp16_dot: bool = True
+    heads_as_n: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n"):
@@ -98,13 +101,15 @@ def unsupported_reasons(fmt: LatentFormat, q_dtype: torch.dtype) -> list[str]:
     return reasons
 
 
-def default_config(q_dtype: torch.dtype, gpu: GPU | None) -> MLADecodeConfig:
+def default_config(q_dtype: torch.dtype, gpu: GPU | None, *, num_heads: int = 128,
+                   fp8: bool = False) -> MLADecodeConfig:
     """Tiles that compile without register spills on sm_90 and sm_100
     (``tests/mla/test_triton_compile.py`` checks; ``benchmarks/tune_mla_decode.py``
     sweeps the alternatives on a GPU).
 
     ``gpu``: the device's (:func:`~vllm.attention.writers.kernels.device.gpu_of`),
-    None under the interpreter.
+    None under the interpreter; ``num_heads``: the layer's query heads; ``fp8``: a
+    scaled fp8 cache.
     """
     if gpu is None or gpu.vendor != "nvidia" or q_dtype not in _HALF:
         # the interpreter's cost is per element; float32 models (IEEE dots) are a
@@ -112,6 +117,12 @@ def default_config(q_dtype: torch.dtype, gpu: GPU | None) -> MLADecodeConfig:
         # tile: the smallest tiles tl.dot takes
         return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
     capability = gpu.capability
+    if capability[0] == 9 and num_heads <= 16 and not fp8:
+        # few heads as the N of the MMAs (the keys and the latent columns as M): no
+        # padding to the 64 rows of a warpgroup MMA, 166 registers. Not for fp8: the
+        # widened tile, the MMAs' first operand here, would stay in registers and spill
+        return MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2,
+                               latent_chunks=1, heads_as_n=True)
     if capability[0] == 9:
         # 64 heads (masked below 64): the M of a Hopper warpgroup MMA, which Ampere's
         # MMA would need in registers. 8 warps hold the [64, 512] float32 accumulator in
@@ -150,7 +161,10 @@ def _programs_per_sm(block_h: int, block_n: int, cfg: MLADecodeConfig) -> int:
     """Programs an SM holds at once, estimated: a 64-head tile's query (72 KiB) and its
     key stages take most of an H100's 227 KiB of shared memory unless the stages hold
     32 rows or fewer (compiled: 110-112 KiB, so two fit), and 8 warps of a 64-head tile
-    take most of its registers."""
+    take most of its registers; with the heads as N, the tiles of 64 rows do (two
+    stages: 168 KiB compiled)."""
+    if cfg.heads_as_n:
+        return 2 if (block_h + cfg.num_stages * block_n) * 1152 <= 110 * 1024 else 1
     if block_h < 64:
         return 2
     return 2 if cfg.num_warps <= 4 and block_n * cfg.num_stages <= 32 else 1
@@ -273,7 +287,8 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         return out
     interp = _interpreting()
     num_sms, gpu = (1, None) if interp else _device_facts(q_lat.device)
-    cfg = config or default_config(q_lat.dtype, gpu)
+    fp8 = _FP8_CODES.get(kv_cache.dtype, 0)
+    cfg = config or default_config(q_lat.dtype, gpu, num_heads=n, fp8=bool(fp8))
     block_l = _next_pow2(L)
     chunks = 1 if block_l <= _MAX_BOX else cfg.latent_chunks
     lc = block_l // chunks
@@ -299,7 +314,6 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     decode_kernel, combine_kernel = _kernels(interp)
     q = q_nope if q_nope.stride(2) == 1 else q_nope.contiguous()
     qe = q_pe if q_pe.stride(2) == 1 else q_pe.contiguous()
-    fp8 = _FP8_CODES.get(kv_cache.dtype, 0)
     cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
     bt = block_table.to(torch.int32)
     req = token_req.to(torch.int32)
@@ -335,7 +349,8 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         TILE_IN_PAGE=tile_in_page, DYNAMIC_LOOP=not interp, MAX_ITERS=max_iters,
         FP16_DOT=fp16_dot,
         BLOCK_H=block_h, BLOCK_N=block_n, LAT_CHUNKS=chunks, V_SPLIT=v_split,
-        SPLIT_SCORES=cfg.split_scores, LC=lc, BLOCK_R=block_r, num_warps=cfg.num_warps,
+        SPLIT_SCORES=cfg.split_scores, HEADS_N=cfg.heads_as_n, LC=lc, BLOCK_R=block_r,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if not single:

@@ -124,8 +124,8 @@ def _attend_tile(
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
     HW_FP8: tl.constexpr, FULL: tl.constexpr, USE_TMA: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, LAT_CHUNKS: tl.constexpr, V_SPLIT: tl.constexpr,
-    SPLIT_SCORES: tl.constexpr, LC: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    SPLIT_SCORES: tl.constexpr, HEADS_N: tl.constexpr, LC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ) -> tl.tensor:  # (m_i, l_i, acc_a, acc_b)
     """Online-softmax update of ``BLOCK_H`` heads by the rows ``n0 .. n0 + BLOCK_N``
     (scores and the running maximum ``m_i`` in base 2, pre-scaled per head)."""
@@ -133,6 +133,27 @@ def _attend_tile(
         LAT_DESC, PE_DESC, C, BT, req, n0, end, col_a, col_b, stride_cb, stride_cs,
         stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, q_a.dtype, FULL, USE_TMA, TILE_IN_PAGE,
         LAT_CHUNKS, LC, BLOCK_N, BLOCK_R)
+    if HEADS_N:
+        m_i, l_i, acc_a, acc_b = _update_heads_n(
+            n0, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale, k_a, k_b, k_pe,
+            FULL, LAT_CHUNKS, V_SPLIT, BLOCK_N)
+    else:
+        m_i, l_i, acc_a, acc_b = _update_heads_m(
+            n0, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale, k_a, k_b, k_pe,
+            FULL, LAT_CHUNKS, V_SPLIT, SPLIT_SCORES, BLOCK_N)
+    return m_i, l_i, acc_a, acc_b
+
+
+@jit
+def _update_heads_m(
+    n0: tl.tensor, end: tl.tensor, m_i: tl.tensor, l_i: tl.tensor, acc_a: tl.tensor,
+    acc_b: tl.tensor, q_a: tl.tensor, q_b: tl.tensor, q_pe: tl.tensor, qk_scale: tl.tensor,
+    k_a: tl.tensor, k_b: tl.tensor, k_pe: tl.tensor, FULL: tl.constexpr,
+    LAT_CHUNKS: tl.constexpr, V_SPLIT: tl.constexpr, SPLIT_SCORES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+) -> tl.tensor:  # (m_i, l_i, acc_a, acc_b)
+    """The heads as the M of both products: ``S = Q @ K^T`` ``[BLOCK_H, BLOCK_N]``,
+    ``acc += P @ K`` ``[BLOCK_H, LC]``."""
     if q_a.dtype == tl.float32:
         s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
         if LAT_CHUNKS == 2:
@@ -191,6 +212,50 @@ def _attend_tile(
     return m_new, l_i, acc_a, acc_b
 
 
+
+
+@jit
+def _update_heads_n(
+    n0: tl.tensor, end: tl.tensor, m_i: tl.tensor, l_i: tl.tensor, acc_a: tl.tensor,
+    acc_b: tl.tensor, q_a: tl.tensor, q_b: tl.tensor, q_pe: tl.tensor, qk_scale: tl.tensor,
+    k_a: tl.tensor, k_b: tl.tensor, k_pe: tl.tensor, FULL: tl.constexpr,
+    LAT_CHUNKS: tl.constexpr, V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+) -> tl.tensor:  # (m_i, l_i, acc_a, acc_b)
+    """The heads as the N of both products, for few heads (a warpgroup MMA's M is 64:
+    16 heads as M would be three quarters padding): ``S^T = K @ Q^T`` ``[BLOCK_N,
+    BLOCK_H]`` (the keys as M) and ``acc^T += K^T @ P^T`` ``[LC, BLOCK_H]`` (the
+    latent columns as M)."""
+    if q_a.dtype == tl.float32:
+        s = tl.dot(k_a, tl.trans(q_a), input_precision="ieee")
+        if LAT_CHUNKS == 2:
+            s = tl.dot(k_b, tl.trans(q_b), s, input_precision="ieee")
+        s = tl.dot(k_pe, tl.trans(q_pe), s, input_precision="ieee")
+    else:
+        s = tl.dot(k_a, tl.trans(q_a))
+        if LAT_CHUNKS == 2:
+            s = tl.dot(k_b, tl.trans(q_b), s)
+        s = tl.dot(k_pe, tl.trans(q_pe), s)
+    s = s * qk_scale[None, :]
+    if not FULL:
+        s = tl.where((n0 + tl.arange(0, BLOCK_N) < end)[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    # -inf only for a tile with no valid key (the interpreter's extra tiles)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[None, :])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    if q_a.dtype == tl.float32:
+        acc_a = tl.dot(tl.trans(k_a), p, acc_a * alpha[None, :], input_precision="ieee")
+        if LAT_CHUNKS == 2 and V_SPLIT == 1:
+            acc_b = tl.dot(tl.trans(k_b), p, acc_b * alpha[None, :], input_precision="ieee")
+    else:
+        pd = p.to(q_a.dtype)
+        acc_a = tl.dot(tl.trans(k_a), pd, acc_a * alpha[None, :])
+        if LAT_CHUNKS == 2 and V_SPLIT == 1:
+            acc_b = tl.dot(tl.trans(k_b), pd, acc_b * alpha[None, :])
+    return m_new, l_i, acc_a, acc_b
+
+
 @jit
 def mla_decode_mma_kernel(
     Q: tl.tensor, Q_PE: tl.tensor, Q16: tl.tensor, LAT_DESC: tl.tensor_descriptor,
@@ -209,8 +274,8 @@ def mla_decode_mma_kernel(
     USE_TMA: tl.constexpr, TILE_IN_PAGE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
     MAX_ITERS: tl.constexpr, FP16_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, LAT_CHUNKS: tl.constexpr, V_SPLIT: tl.constexpr,
-    SPLIT_SCORES: tl.constexpr,
-    LC: tl.constexpr, BLOCK_R: tl.constexpr,
+    SPLIT_SCORES: tl.constexpr, HEADS_N: tl.constexpr, LC: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ) -> None:
     """One (head tile and value part, split, token) program of the dense absorbed decode.
 
@@ -269,9 +334,10 @@ def mla_decode_mma_kernel(
     if FP16_DOT:
         q_a, q_b, q_pe, q_exp = _query_as_fp16(q_a, q_b, q_pe, LAT_CHUNKS)
         qk_scale = qk_scale * q_exp
+    if FP16_DOT and not HEADS_N:
         # through global memory and back: Triton keeps a dot's first operand in shared
         # memory only when it comes from a load (computed, it would stay in registers:
-        # 144 a thread, and spill)
+        # 144 a thread, and spill); as the second operand (HEADS_N) it always is
         q16_row = Q16 + t * stride_16t + offs_h[:, None] * stride_16h
         mask_pe = mask_h[:, None] & (offs_r < ROPE)[None, :]
         tl.store(q16_row + col_a + offs_c[None, :], q_a, mask=mask_a)
@@ -287,8 +353,12 @@ def mla_decode_mma_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc_a = tl.zeros([BLOCK_H, LC], tl.float32)
-    acc_b = tl.zeros([BLOCK_H, LC], tl.float32)
+    if HEADS_N:
+        acc_a = tl.zeros([LC, BLOCK_H], tl.float32)
+        acc_b = tl.zeros([LC, BLOCK_H], tl.float32)
+    else:
+        acc_a = tl.zeros([BLOCK_H, LC], tl.float32)
+        acc_b = tl.zeros([BLOCK_H, LC], tl.float32)
     if DYNAMIC_LOOP:
         # whole tiles unmasked (TMA where selected), then the partial last one masked
         n_full = (end - start) // BLOCK_N
@@ -299,14 +369,14 @@ def mla_decode_mma_kernel(
                 start + it * BLOCK_N, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale,
                 LAT_DESC, PE_DESC, C, BT, req, col_a, col_b, stride_cb, stride_cs,
                 stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, True, USE_TMA, TILE_IN_PAGE,
-                LAT_CHUNKS, V_SPLIT, SPLIT_SCORES, LC, BLOCK_N, BLOCK_R)
+                LAT_CHUNKS, V_SPLIT, SPLIT_SCORES, HEADS_N, LC, BLOCK_N, BLOCK_R)
         tail = start + n_full * BLOCK_N
         if tail < end:
             m_i, l_i, acc_a, acc_b = _attend_tile(
                 tail, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale,
                 LAT_DESC, PE_DESC, C, BT, req, col_a, col_b, stride_cb, stride_cs,
                 stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, False, USE_TMA, TILE_IN_PAGE,
-                LAT_CHUNKS, V_SPLIT, SPLIT_SCORES, LC, BLOCK_N, BLOCK_R)
+                LAT_CHUNKS, V_SPLIT, SPLIT_SCORES, HEADS_N, LC, BLOCK_N, BLOCK_R)
     else:
         # the interpreter cannot bound a loop by a tensor: the host's upper bound of
         # iterations; whole tiles take the unmasked path, the rest are masked
@@ -317,14 +387,19 @@ def mla_decode_mma_kernel(
                     n0, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale,
                     LAT_DESC, PE_DESC, C, BT, req, col_a, col_b, stride_cb, stride_cs,
                     stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, True, USE_TMA,
-                    TILE_IN_PAGE, LAT_CHUNKS, V_SPLIT, SPLIT_SCORES, LC, BLOCK_N, BLOCK_R)
+                    TILE_IN_PAGE, LAT_CHUNKS, V_SPLIT, SPLIT_SCORES, HEADS_N, LC, BLOCK_N,
+                    BLOCK_R)
             else:
                 m_i, l_i, acc_a, acc_b = _attend_tile(
                     n0, end, m_i, l_i, acc_a, acc_b, q_a, q_b, q_pe, qk_scale,
                     LAT_DESC, PE_DESC, C, BT, req, col_a, col_b, stride_cb, stride_cs,
                     stride_bt, KV_LORA, ROPE, PAGE, FP8, HW_FP8, False, USE_TMA,
-                    TILE_IN_PAGE, LAT_CHUNKS, V_SPLIT, SPLIT_SCORES, LC, BLOCK_N, BLOCK_R)
+                    TILE_IN_PAGE, LAT_CHUNKS, V_SPLIT, SPLIT_SCORES, HEADS_N, LC, BLOCK_N,
+                    BLOCK_R)
 
+    if HEADS_N:  # once, through shared memory
+        acc_a = tl.trans(acc_a)
+        acc_b = tl.trans(acc_b)
     seen = l_i > 0.0
     norm = (k_scale / tl.where(seen, l_i, 1.0))[:, None]
     both = LAT_CHUNKS == 2 and V_SPLIT == 1
