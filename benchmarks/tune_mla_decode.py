@@ -68,7 +68,7 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [  # name: MLADecodeConfig argument
     ("bh16-bn16-w4-s2", dict(block_h=16, block_n=16, num_warps=4, num_stages=2)),
 ]
 """Launches to time, the new ones first (the budget may stop the sweep early)."""
-SPLITS = {128: [None], 16: [None, 4]}
+SPLITS: dict[int, list[int | None]] = {128: [None], 16: [None, 4]}
 """Split counts tried per head count (None: the launcher's choice; the 2026-12-01 sweep
 found more splits than it picks slower at these shapes, so compiling is spent on
 variants instead)."""
