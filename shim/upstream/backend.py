@@ -97,14 +97,17 @@ class AttentionBackend(abc.ABC):
     def get_builder_cls() -> type[AttentionMetadataBuilder[Any]]:  # type: ignore[deprecated]  # the legacy surface's own bases
         raise NotImplementedError
 
+    # The v0.10 line declares get_kv_cache_shape(num_blocks, block_size, num_kv_heads,
+    # head_size) and get_kv_cache_stride_order(); the later line adds cache_dtype_str and
+    # include_num_layers_dimension. The trailing Any parameters let either line override.
     @staticmethod
     @abc.abstractmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+                           head_size: int, *args: Any, **kwargs: Any) -> tuple[int, ...]:
         raise NotImplementedError
 
     @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+    def get_kv_cache_stride_order(*args: Any, **kwargs: Any) -> tuple[int, ...]:
         """The physical order of the logical axes; not implemented means identity."""
         raise NotImplementedError
 
@@ -292,8 +295,10 @@ class AttentionBackend(abc.ABC):
         return None
 
 
-class AttentionMetadata:
-    """Base of a legacy backend's metadata (may hold ``slot_mapping``)."""
+class AttentionMetadata(Protocol):
+    """A legacy backend's metadata (may hold ``slot_mapping``). Structural, so any class
+    is one: upstream's v1 metadata dataclasses do not derive from it, yet their backends
+    return them as ``type[AttentionMetadata]`` and their impls are generic over them."""
 
 
 T = TypeVar("T", bound=AttentionMetadata)
