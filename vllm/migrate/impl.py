@@ -8,7 +8,7 @@ from typing import Final
 
 import libcst as cst
 
-from vllm.migrate.analysis import ClassInfo, function_body, is_docstring, params
+from vllm.migrate.analysis import ClassInfo, dotted, function_body, is_docstring, params
 from vllm.migrate.declarations import Declarations
 from vllm.migrate.metadata import _names, _set_base, body_with, with_signature
 from vllm.migrate.plan import Plan, expression, statements_from
@@ -251,13 +251,42 @@ def _rewrite_forward(plan: Plan, fn: cst.FunctionDef, meta: str,
                       "compute without it: the slot mapping reaches only the writer")
     if added_output:
         _return_into(plan, fn, out)
-    _key_value_uses(plan, fn, kept[2:4], finding.removed if finding else set())
+    # where the legacy type already admits None, the legacy code handles None (or mypy
+    # reports it there): the new API's None is nothing new to it
+    unchecked = [p.name.value for p in ps[2:4]
+                 if p.annotation is None or not admits_none(p.annotation.annotation)]
+    if unchecked:
+        _key_value_uses(plan, fn, unchecked, finding.removed if finding else set())
 
     def edit(updated: cst.FunctionDef) -> cst.FunctionDef:
         new = with_signature(updated, args, "torch.Tensor")
         return body_with(new, statements_from("".join(bindings))) if bindings else new
 
     plan.edit(fn, edit)
+
+
+def admits_none(annotation: cst.BaseExpression) -> bool:
+    """Whether a type annotation admits None: ``X | None``, ``Optional[X]``,
+    ``Union[X, None]`` or ``None`` itself (a string annotation too)."""
+    if isinstance(annotation, cst.SimpleString):
+        value = annotation.evaluated_value
+        try:
+            return isinstance(value, str) and admits_none(cst.parse_expression(value))
+        except cst.ParserSyntaxError:
+            return False
+    if isinstance(annotation, cst.Name):
+        return annotation.value == "None"
+    if isinstance(annotation, cst.BinaryOperation) and isinstance(annotation.operator,
+                                                                  cst.BitOr):
+        return admits_none(annotation.left) or admits_none(annotation.right)
+    if isinstance(annotation, cst.Subscript):
+        generic = dotted(annotation.value) or ""
+        if generic.rsplit(".", 1)[-1] == "Optional":
+            return True
+        if generic.rsplit(".", 1)[-1] == "Union":
+            return any(isinstance(el.slice, cst.Index) and admits_none(el.slice.value)
+                       for el in annotation.slice)
+    return False
 
 
 def _return_into(plan: Plan, fn: cst.FunctionDef, out: str) -> None:
