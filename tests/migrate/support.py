@@ -65,14 +65,15 @@ def load(path: Path, code: str) -> ModuleType:
     return load_module(path, code, "_migrated")
 
 
-def mypy_strict(*files: Path) -> subprocess.CompletedProcess[str]:
-    """mypy with the project's configuration (``--strict`` and its error codes), run
-    beside the files, with this repository on its path (``tests.*`` imports resolve)."""
+def mypy_strict(*files: Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """mypy with the project's configuration (``--strict`` and its error codes), run in
+    ``cwd`` (where it keeps its cache; default: beside the files), with this repository
+    on its path (``tests.*`` imports resolve)."""
     env = {**os.environ, "MYPYPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
          "--no-error-summary", *map(str, files)],
-        capture_output=True, text=True, cwd=files[0].parent, check=False, env=env)
+        capture_output=True, text=True, cwd=cwd or files[0].parent, check=False, env=env)
 
 
 def marked_lines(code: str) -> list[int]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
     AttentionImpl,
+    AttentionLayer,
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
@@ -237,10 +238,12 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         layer_names: list[str],
         vllm_config: VllmConfig,
         device: torch.device,
-    ):
+    ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.cache_config = vllm_config.cache_config
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        if model is None:
+            raise ValueError("FlashAttentionMetadataBuilder needs vllm_config.model_config")
         self.num_heads_q = model.get_num_attention_heads(parallel)
         self.num_heads_kv = model.get_num_kv_heads(parallel)
         self.headdim = model.get_head_size()
@@ -311,7 +314,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         aot = self.aot_schedule and not fast_build
         splits = self._splits(c.num_actual_tokens)
 
-        extra: dict[str, object] = {}
+        extra: dict[str, Any] = {}
         if self.dcp_world_size > 1:
             # this rank attends to its share of the cached context; the step's own
             # tokens are attended to separately in forward()
@@ -324,7 +327,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             own = self._schedule(aot, splits, c.num_reqs, c.query_start_loc,
                                  c.max_query_len, local, longest, causal=False)
         elif common_prefix_len > 0:
-            as_i32 = dict(dtype=torch.int32, device=self.device)
+            as_i32: dict[str, Any] = dict(dtype=torch.int32, device=self.device)
             suffix = c.seq_lens[:c.num_reqs] - common_prefix_len
             extra.update(
                 cu_prefix_query_lens=torch.tensor([0, c.num_actual_tokens], **as_i32),
@@ -367,11 +370,11 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
     ) -> FlashAttentionMetadata:
         return dataclasses.replace(metadata, block_table=blk_table, slot_mapping=slot_mapping)
 
-    def use_cascade_attention(self, *args, **kwargs) -> bool:
+    def use_cascade_attention(self, *args: Any, **kwargs: Any) -> bool:
         return use_cascade_attention(*args, **kwargs)
 
 
-class FlashAttentionImpl(AttentionImpl):
+class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     """``do_kv_cache_update`` writes the step's K/V; ``forward`` runs FlashAttention over
     the cache (decoder) or over the step's own K/V (encoder, no cache)."""
 
@@ -425,7 +428,7 @@ class FlashAttentionImpl(AttentionImpl):
         self.supports_quant_query_input = True
         self.supports_per_head_quant_scales = (self.vllm_flash_attn_version or 0) >= 3
 
-    def _descales(self, layer: torch.nn.Module, num_seqs: int) -> dict[str, torch.Tensor]:
+    def _descales(self, layer: AttentionLayer, num_seqs: int) -> dict[str, Any]:
         """The layer's per-tensor scales broadcast to flash-attn's ``[num_seqs,
         num_kv_heads]`` without copying."""
         shape = (num_seqs, self.num_kv_heads)
@@ -435,7 +438,7 @@ class FlashAttentionImpl(AttentionImpl):
 
     def forward(
         self,
-        layer: torch.nn.Module,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -470,6 +473,9 @@ class FlashAttentionImpl(AttentionImpl):
             key_cache, value_cache = key_cache.view(fp8), value_cache.view(fp8)
 
         if m.use_cascade:
+            # build() sets the cascade lengths whenever it sets use_cascade
+            assert m.cu_prefix_query_lens is not None and m.prefix_kv_lens is not None
+            assert m.suffix_kv_lens is not None
             cascade_attention(
                 output[:n], query[:n], key_cache, value_cache,
                 cu_query_lens=m.query_start_loc, max_query_len=m.max_query_len,
@@ -516,9 +522,9 @@ class FlashAttentionImpl(AttentionImpl):
 
     def do_kv_cache_update(
         self,
-        layer: torch.nn.Module,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        layer: AttentionLayer,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
@@ -552,11 +558,14 @@ class FlashAttentionImpl(AttentionImpl):
         results are combined across ranks (back to this rank's heads), then merged with
         this rank's queries over the step's own K/V."""
         m = attn_metadata
+        # build() sets the context lengths whenever this rank runs context-parallel
+        assert m.max_dcp_context_kv_len is not None
         group = get_dcp_group()
-        common = dict(softmax_scale=self.scale, alibi_slopes=self.alibi_slopes,
-                      window_size=list(self.sliding_window), softcap=self.logits_soft_cap,
-                      return_softmax_lse=True, fa_version=self.vllm_flash_attn_version,
-                      q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+        common: dict[str, Any] = dict(
+            softmax_scale=self.scale, alibi_slopes=self.alibi_slopes,
+            window_size=list(self.sliding_window), softcap=self.logits_soft_cap,
+            return_softmax_lse=True, fa_version=self.vllm_flash_attn_version,
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         every_head = group.all_gather(query.contiguous(), dim=1)
         context_out, context_lse = flash_attn_varlen_func(
             q=every_head, k=key_cache, v=value_cache, out=None,
@@ -583,12 +592,14 @@ class FlashAttentionImpl(AttentionImpl):
         value: torch.Tensor,
         output: torch.Tensor,
         attn_metadata: FlashAttentionMetadata,
-        layer: torch.nn.Module,
+        layer: AttentionLayer,
     ) -> torch.Tensor:
         """Bidirectional attention of each request over its own tokens of this step
         (``[T, heads, head_size]`` each): the keys are split like the queries."""
         if self.kv_cache_dtype.startswith("fp8"):
             raise NotImplementedError("encoder attention reads no cache, so no fp8 one")
+        if self.vllm_flash_attn_version is None:
+            raise RuntimeError("no FlashAttention version was found")
         bounds, longest = attn_metadata.query_start_loc, attn_metadata.max_query_len
         flash_attn_varlen_func(
             q=query,
@@ -675,15 +686,16 @@ def cascade_attention(
                          f"{block_size}")
     heads = key_cache.shape[2]
 
-    def descaled(cu: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    def descaled(cu: torch.Tensor) -> dict[str, Any]:
         shape = (cu.shape[0] - 1, heads)
         return {name: None if s is None else s.expand(shape)
                 for name, s in (("q_descale", q_descale), ("k_descale", k_descale),
                                 ("v_descale", v_descale))}
 
-    shared = dict(softmax_scale=softmax_scale, window_size=list(sliding_window),
-                  softcap=logits_soft_cap, return_softmax_lse=True, fa_version=fa_version,
-                  num_splits=1 if vllm_is_batch_invariant() else max_num_splits)
+    shared: dict[str, Any] = dict(
+        softmax_scale=softmax_scale, window_size=list(sliding_window), softcap=logits_soft_cap,
+        return_softmax_lse=True, fa_version=fa_version,
+        num_splits=1 if vllm_is_batch_invariant() else max_num_splits)
     prefix_out, prefix_lse = flash_attn_varlen_func(
         q=query, k=key_cache, v=value_cache, cu_seqlens_q=cu_prefix_query_lens,
         seqused_k=prefix_kv_lens, max_seqlen_q=query.shape[0],

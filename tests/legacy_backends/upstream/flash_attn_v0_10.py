@@ -22,6 +22,7 @@ is never captured: ``cudagraph_mode`` is ``NONE``) and the cost model behind
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ from tests.legacy_backends.upstream.kernels import (
 from vllm.attention.backends.abstract import (
     AttentionBackend,
     AttentionImpl,
+    AttentionLayer,
     AttentionMetadata,
     AttentionType,
     is_quantized_kv_cache,
@@ -171,11 +173,13 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
                          else AttentionCGSupport.UNIFORM_BATCH)
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
-                 vllm_config: VllmConfig, device: torch.device):
+                 vllm_config: VllmConfig, device: torch.device) -> None:
         self.vllm_config = vllm_config
         self.device = device
         self.cache_config = vllm_config.cache_config
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        if model is None:
+            raise ValueError("FlashAttentionMetadataBuilder needs vllm_config.model_config")
         self.num_heads_q = model.get_num_attention_heads(parallel)
         self.num_heads_kv = model.get_num_kv_heads(parallel)
         self.headdim = model.get_head_size()
@@ -189,7 +193,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         self.aot_sliding_window: tuple[int, int] | None = None
 
     def _resolve_aot_window(self) -> None:
-        windows = {layer.impl.sliding_window
+        # the layers found are the views legacy impls are called with, holding those impls
+        windows = {cast(FlashAttentionImpl, layer.impl).sliding_window
                    for layer in get_layers_from_vllm_config(self.vllm_config, Attention).values()}
         if len(windows) > 1:
             logger.info_once("layers differ in sliding window: FA3 schedules per call")
@@ -221,11 +226,11 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             self._resolve_aot_window()
         aot = self.aot_schedule and not fast_build
 
-        cascade: dict[str, torch.Tensor | None] = dict.fromkeys(
+        cascade: dict[str, Any] = dict.fromkeys(
             ("cu_prefix_query_lens", "prefix_kv_lens", "suffix_kv_lens",
              "prefix_scheduler_metadata"))
         if common_prefix_len > 0:
-            as_i32 = dict(dtype=torch.int32, device=self.device)
+            as_i32: dict[str, Any] = dict(dtype=torch.int32, device=self.device)
             suffix = (c.seq_lens_cpu[:c.num_reqs] - common_prefix_len).to(self.device,
                                                                         non_blocking=True)
             cascade.update(
@@ -257,11 +262,11 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             **cascade,
         )
 
-    def use_cascade_attention(self, *args, **kwargs) -> bool:
+    def use_cascade_attention(self, *args: Any, **kwargs: Any) -> bool:
         return use_cascade_attention(*args, **kwargs)
 
 
-class FlashAttentionImpl(AttentionImpl):
+class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     """Writes the step's K/V into the cache, then runs FlashAttention over the cache
     (decoder) or over the step's own K/V (encoder, no cache)."""
 
@@ -310,7 +315,7 @@ class FlashAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = sinks
 
-    def _descales(self, layer: torch.nn.Module, num_seqs: int) -> dict[str, torch.Tensor]:
+    def _descales(self, layer: AttentionLayer, num_seqs: int) -> dict[str, Any]:
         """The layer's per-tensor scales broadcast to flash-attn's ``[num_seqs,
         num_kv_heads]`` without copying."""
         shape = (num_seqs, self.num_kv_heads)
@@ -320,10 +325,10 @@ class FlashAttentionImpl(AttentionImpl):
 
     def forward(
         self,
-        layer: torch.nn.Module,
+        layer: AttentionLayer,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         attn_metadata: FlashAttentionMetadata,
         output: torch.Tensor | None = None,
@@ -336,6 +341,8 @@ class FlashAttentionImpl(AttentionImpl):
         ``output`` ``[T, num_heads, head_size]``."""
         if output is None:
             raise ValueError("FlashAttentionImpl.forward writes into output; none was given")
+        if self.vllm_flash_attn_version is None:
+            raise RuntimeError("no FlashAttention version was found")
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("FlashAttentionImpl does not quantise its output")
         if attn_metadata is None:  # a profiling step
@@ -343,6 +350,8 @@ class FlashAttentionImpl(AttentionImpl):
 
         n = attn_metadata.num_actual_tokens
         if self.attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
+            if key is None or value is None:
+                raise ValueError("encoder attention needs this step's key and value")
             return self._forward_encoder_attention(query[:n], key[:n], value[:n], output[:n],
                                                    attn_metadata, layer)
 
@@ -365,6 +374,9 @@ class FlashAttentionImpl(AttentionImpl):
 
         m = attn_metadata
         if m.use_cascade:
+            # build() sets the cascade lengths whenever it sets use_cascade
+            assert m.cu_prefix_query_lens is not None and m.prefix_kv_lens is not None
+            assert m.suffix_kv_lens is not None
             cascade_attention(
                 output[:n], query[:n], key_cache, value_cache,
                 cu_query_lens=m.query_start_loc, max_query_len=m.max_query_len,
@@ -409,12 +421,14 @@ class FlashAttentionImpl(AttentionImpl):
         value: torch.Tensor,
         output: torch.Tensor,
         attn_metadata: FlashAttentionMetadata,
-        layer: torch.nn.Module,
+        layer: AttentionLayer,
     ) -> torch.Tensor:
         """Bidirectional attention of each request over its own tokens of this step
         (``[T, heads, head_size]`` each): the keys are split like the queries."""
         if self.kv_cache_dtype.startswith("fp8"):
             raise NotImplementedError("encoder attention reads no cache, so no fp8 one")
+        if self.vllm_flash_attn_version is None:
+            raise RuntimeError("no FlashAttention version was found")
         bounds, longest = attn_metadata.query_start_loc, attn_metadata.max_query_len
         flash_attn_varlen_func(
             q=query,
@@ -495,14 +509,15 @@ def cascade_attention(
                          f"{block_size}")
     heads = key_cache.shape[2]
 
-    def descaled(cu: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    def descaled(cu: torch.Tensor) -> dict[str, Any]:
         shape = (cu.shape[0] - 1, heads)
         return {name: None if s is None else s.expand(shape)
                 for name, s in (("q_descale", q_descale), ("k_descale", k_descale),
                                 ("v_descale", v_descale))}
 
-    shared = dict(softmax_scale=softmax_scale, window_size=sliding_window,
-                  softcap=logits_soft_cap, return_softmax_lse=True, fa_version=fa_version)
+    shared: dict[str, Any] = dict(softmax_scale=softmax_scale, window_size=sliding_window,
+                                  softcap=logits_soft_cap, return_softmax_lse=True,
+                                  fa_version=fa_version)
     prefix_out, prefix_lse = flash_attn_varlen_func(
         q=query, k=key_cache, v=value_cache, cu_seqlens_q=cu_prefix_query_lens,
         seqused_k=prefix_kv_lens, max_seqlen_q=query.shape[0],

@@ -236,8 +236,8 @@ def varlen_attn_out(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                     max_q: int, max_k: int, *, return_aux: AuxRequest | None = None,
                     scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                     enable_gqa: bool = False, seqused_k: torch.Tensor | None = None,
-                    block_table: torch.Tensor | None = None,
-                    num_splits: int | None = None) -> Any:
+                    block_table: torch.Tensor | None = None, num_splits: int | None = None
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """torch 2.13's ``varlen_attn_out``, with its argument checks, over this module's
     :func:`flash_attn_varlen_func` (causal iff ``window_size == (-1, 0)``)."""
     num_heads_q = query.size(1)

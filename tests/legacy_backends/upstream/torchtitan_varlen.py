@@ -23,6 +23,7 @@ torchtitan's model-side wrapper around the layer is left out.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch.nn.attention import activate_flash_attention_impl, current_flash_attention_impl
@@ -38,7 +39,7 @@ from tests.legacy_backends.upstream.kernels import (
     is_in_batch_invariant_mode,
     warn_once,
 )
-from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backend import AttentionLayer, AttentionType
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 logger = logging.getLogger(__name__)
@@ -51,11 +52,11 @@ class PyTorchVarlenAttentionBackend(FlashAttentionBackend):
     name a plugin must answer to."""
 
     @staticmethod
-    def get_name():
+    def get_name() -> str:
         return "CUSTOM"
 
     @staticmethod
-    def get_impl_cls():
+    def get_impl_cls() -> type[PyTorchVarlenAttentionImpl]:
         return PyTorchVarlenAttentionImpl
 
 
@@ -64,7 +65,7 @@ class PyTorchVarlenAttentionImpl(FlashAttentionImpl):
     ``torch.nn.attention.varlen.varlen_attn_out``: causal only, no encoder types, fp8
     cache, cascade, context parallelism or ALiBi."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not has_cuda_capability(9, 0):
             warn_once(logger, "torch varlen attention: no SM 9.0 device, using FA2")
@@ -74,7 +75,7 @@ class PyTorchVarlenAttentionImpl(FlashAttentionImpl):
 
     def forward(
         self,
-        layer: torch.nn.Module,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -118,11 +119,11 @@ class PyTorchVarlenAttentionImpl(FlashAttentionImpl):
         else:  # FA2 wants the cumulative key lengths as well
             cu_seqlens_k = torch.nn.functional.pad(
                 torch.cumsum(m.seq_lens, dim=0, dtype=torch.int32), (1, 0))
-        options = {}
+        options: dict[str, Any] = {}
         if fa3 and is_in_batch_invariant_mode():
             options["num_splits"] = 1  # one split: the sum order never depends on the batch
 
-        return varlen.varlen_attn_out(
+        out = varlen.varlen_attn_out(
             output[:n],
             query[:n],
             key_cache,
@@ -137,3 +138,5 @@ class PyTorchVarlenAttentionImpl(FlashAttentionImpl):
             seqused_k=m.seq_lens,
             **options,
         )
+        assert isinstance(out, torch.Tensor)  # no return_aux: the output alone
+        return out
