@@ -134,6 +134,47 @@ def test_block_sparse_result_matches_float64(case: Case, mode: str, block_sparse
     assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
 
 
+TAILS = [PAGE_TABLE[0], PAGE_TABLE[1]]
+
+
+@pytest.mark.parametrize("case", TAILS, ids=[c.id() for c in TAILS])
+def test_compiled_tail_merge_matches_float64(case: Case, block_sparse: Seen,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The partly written last pages attended and merged as on CUDA, by Inductor (its
+    CPU code here), with the kernel's part from the stand-in: unwritten rows NaN."""
+    ran: list[bool] = []
+
+    def compiled(*args: Any, **kwargs: Any) -> torch.Tensor:
+        result = flex_paged._compiled_tail_merge()(*args, **kwargs)
+        ran.append(True)  # not the eager fallback
+        return result
+
+    monkeypatch.setattr(flex_paged, "_tail_merger", lambda device: compiled)
+    b, out = _run(case, "page_table", block_sparse)
+    assert ran == [True]
+    assert not out.isnan().any()
+    err = rel_err(out, b.reference)
+    assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
+
+
+def test_compiled_tail_merge_serves_every_bucket(block_sparse: Seen,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page_table mode's batch is static for flex (one compile per power of two);
+    the tail merge keeps batch entries and cache blocks symbolic: other buckets and
+    caches compile nothing new."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(flex_paged, "_tail_merger",
+                        lambda device: flex_paged._compiled_tail_merge())
+    _run(PAGE_TABLE[0], "page_table", block_sparse)                  # 8 entries
+    graphs = int(counters["stats"]["unique_graphs"])
+    small = PAGE_TABLE[0].with_(query_lens=(1,) * 3, context_lens=(20, 3, 40))
+    for case in (PAGE_TABLE[3], small):                               # 16 and 4 entries
+        b, out = _run(case, "page_table", block_sparse)
+        assert rel_err(out, b.reference) <= TOLERANCE[torch.float32]
+    assert int(counters["stats"]["unique_graphs"]) == graphs
+
+
 @pytest.mark.parametrize("mode", ["gather", "page_table"])
 def test_cross_attention_block_lists(mode: str, block_sparse: Seen) -> None:
     """More queries than keys, non-causal (encoder-decoder)."""

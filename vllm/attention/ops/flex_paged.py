@@ -592,36 +592,51 @@ def _padded_queries(query: torch.Tensor, batch: PagedBatchLike, rows: int, q_len
     return flat.view(rows, q_len, hq, d).transpose(1, 2), idx
 
 
-def _tail_attention(q: torch.Tensor, kv: PagedKV, t: _PageTables, *, scale: float,
-                    causal: bool, window: int | None, cap: float | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` ``[B, Hq, Lq, D]`` to each entry's written rows of its last,
-    partly written page, in float32: ``([B, Hq, Lq, Dv], lse [B, Hq, Lq])``."""
-    bs, h = kv.block_size, kv.num_kv_heads
+def _tail_merge(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, tail_block: torch.Tensor, tail_len: torch.Tensor,
+                whole: torch.Tensor, q_ctx: torch.Tensor, *, scale: float, causal: bool,
+                window: int | None, cap: float | None) -> torch.Tensor:
+    """The kernel's result ``out`` ``[B, Hq, Lq, Dv]`` (log-sum-exp ``lse`` ``[B, Hq, Lq]``,
+    over the whole pages) merged with the attention of ``q`` ``[B, Hq, Lq, D]`` to each
+    entry's written rows of its last, partly written page, in float32.
+
+    ``k_cache``/``v_cache``: ``[nb, bs, H, D(v)]``; ``tail_block``, ``tail_len``,
+    ``whole``, ``q_ctx``: ``[B]`` int64 (that page's block and written rows, the
+    positions before it, the entry's context length)."""
+    bs, h = k_cache.shape[1], k_cache.shape[2]
     b, hq, lq, d = q.shape
     g = hq // h
-    keys = kv.key.data.index_select(0, t.tail_block)     # [B, bs, H, D]
-    vals = kv.value.data.index_select(0, t.tail_block)
+    keys = k_cache.index_select(0, tail_block)     # [B, bs, H, D]
+    vals = v_cache.index_select(0, tail_block)
     offs = torch.arange(bs, device=q.device)
-    written = offs[None, :] < t.tail_len[:, None]         # [B, bs]
+    written = offs[None, :] < tail_len[:, None]         # [B, bs]
     keys = torch.where(written[..., None, None], keys, 0).float()
     vals = torch.where(written[..., None, None], vals, 0).float()
     qg = q.float().reshape(b, h, g, lq, d)
     s = torch.einsum("bhgqd,bthd->bhgqt", qg, keys) * scale
     if cap is not None:
         s = cap * torch.tanh(s / cap)
-    pos = t.whole[:, None] + offs[None, :]                                  # [B, bs]
-    qp = t.q_ctx[:, None] + torch.arange(lq, device=q.device)[None, :]     # [B, Lq]
+    pos = whole[:, None] + offs[None, :]                                  # [B, bs]
+    qp = q_ctx[:, None] + torch.arange(lq, device=q.device)[None, :]     # [B, Lq]
     visible = written[:, None, :].expand(b, lq, bs)
     if causal:
         visible = visible & (pos[:, None, :] <= qp[:, :, None])
     if window is not None:
         visible = visible & (qp[:, :, None] - pos[:, None, :] < window)
     s = s.masked_fill(~visible[:, None, None], -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    out = torch.einsum("bhgqt,bthd->bhgqd", p, vals)
-    return out.reshape(b, hq, lq, -1), lse.reshape(b, hq, lq)
+    tail_lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(tail_lse), tail_lse, 0.0)[..., None])
+    tail = torch.einsum("bhgqt,bthd->bhgqd", p, vals).reshape(b, hq, lq, -1)
+    return _merge(out, lse, tail, tail_lse.reshape(b, hq, lq))
+
+
+@functools.cache
+def _compiled_tail_merge() -> Callable[..., torch.Tensor]:
+    # ~30 small ops eagerly (a launch each, a few microseconds of device time each);
+    # Inductor fuses them into a few kernels. Only the sizes the caller marks dynamic
+    # are symbolic, so a head count is never tied to a batch size that equals it.
+    fn: Callable[..., torch.Tensor] = torch.compile(_tail_merge, fullgraph=True)
+    return fn
 
 
 def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -677,10 +692,28 @@ def _run_page_table(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, *,
                           score_mod=_soft_cap_mod(logits_soft_cap), scale=scale,
                           compiled=True, lse=t.has_tail, kernel_options=options)
     if t.has_tail and lse is not None:
-        tail, tail_lse = _tail_attention(q4, kv, t, scale=scale, causal=causal,
-                                         window=sliding_window, cap=logits_soft_cap)
-        out = _merge(out, lse, tail, tail_lse)
+        # batch entries and cache blocks symbolic from the first compile (a new view of
+        # the queries: their batch is static for flex only), so buckets and caches of
+        # other sizes reuse it; head counts and sizes stay static
+        args = (out, lse, q4.view(q4.shape), kv.key.data, kv.value.data, t.tail_block,
+                t.tail_len, t.whole, t.q_ctx)
+        for x in args:
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+        opts: dict[str, Any] = dict(scale=scale, causal=causal, window=sliding_window,
+                                    cap=logits_soft_cap)
+        try:
+            with _compile_limits(kv.device.type == "cuda"):
+                out = _tail_merger(kv.device)(*args, **opts)
+        except Exception as exc:
+            if not _is_compile_failure(exc):
+                raise
+            out = _tail_merge(*args, **opts)  # the same function, unfused
     return out, idx
+
+
+def _tail_merger(device: torch.device) -> Callable[..., torch.Tensor]:
+    """:func:`_tail_merge`, compiled on CUDA (eager elsewhere, as flex runs there)."""
+    return _compiled_tail_merge() if device.type == "cuda" else _tail_merge
 
 
 @functools.cache
@@ -688,9 +721,9 @@ def decode_launch(device: torch.device) -> dict[str, int]:
     """Stages and warps of Inductor's decode kernel (page_table mode) on ``device``.
 
     Inductor's own choice for sm_90 / sm_100 / sm_103 is 3 stages, 2 warps (64-key
-    tiles), but in torch 2.11-2.13 the branch for sm_110 that follows it resets every
-    other device to 1 stage, so its decode loop runs unpipelined; here the key tile is
-    a page (16 keys at page 16), which makes the pipelining matter more, not less.
+    tiles), but the branch for sm_110 that follows it resets every other device to 1
+    stage (torch 2.13's heuristic), so its decode loop runs unpipelined; here the key
+    tile is a page (16 keys at page 16), which makes the pipelining matter more.
     ``benchmarks/tune_prefill.py --flex`` times this against the alternatives.
     """
     if device.type == "cuda" and torch.cuda.get_device_capability(device) in (
