@@ -226,16 +226,28 @@ def block_list_errors(block_mask: Any, *, q_len: int, kv_len: int, batch: int | 
                 if len(set(seen)) != len(seen):
                     errors.append(f"z{z} h{h} qb{qb}: a block listed twice: {sorted(seen)}")
                 rows = slice(qb * qbs, min((qb + 1) * qbs, q_len))
-                tile = truth[z, h, rows][live[z, rows]]
-                for kb in range(nk):
-                    cell = tile[:, kb * kvb: min((kb + 1) * kvb, kv_len)]
-                    if kb in full and not bool(cell.all()):
-                        errors.append(f"z{z} h{h} qb{qb}: full block {kb} has masked pairs")
-                    elif kb in part and not bool(cell.any()):
-                        errors.append(f"z{z} h{h} qb{qb}: partial block {kb} sees nothing")
-                    elif kb not in seen and bool(cell.any()):
-                        errors.append(f"z{z} h{h} qb{qb}: block {kb} has visible pairs, "
-                                      "not listed")
-                    if len(errors) >= max_errors:
-                        return errors
+                tile = truth[z, h, rows][live[z, rows]]                  # [live rows, kv_len]
+                padded = torch.zeros(tile.shape[0], nk * kvb, dtype=torch.bool)
+                padded[:, :kv_len] = tile
+                cells = padded.view(-1, nk, kvb)
+                some = cells.any(dim=2).any(dim=0)                         # [nk]
+                every = torch.ones(kv_len, dtype=torch.bool)
+                if tile.shape[0]:
+                    every = tile.all(dim=0)
+                every_pad = torch.ones(nk * kvb, dtype=torch.bool)
+                every_pad[:kv_len] = every
+                whole = every_pad.view(nk, kvb).all(dim=1)                 # [nk]
+                in_full = torch.zeros(nk, dtype=torch.bool)
+                in_part = torch.zeros(nk, dtype=torch.bool)
+                in_full[[b for b in full if 0 <= b < nk]] = True
+                in_part[[b for b in part if 0 <= b < nk]] = True
+                for kb in (in_full & ~whole).nonzero().flatten().tolist():
+                    errors.append(f"z{z} h{h} qb{qb}: full block {kb} has masked pairs")
+                for kb in (in_part & ~some).nonzero().flatten().tolist():
+                    errors.append(f"z{z} h{h} qb{qb}: partial block {kb} sees nothing")
+                for kb in (~in_full & ~in_part & some).nonzero().flatten().tolist():
+                    errors.append(f"z{z} h{h} qb{qb}: block {kb} has visible pairs, "
+                                  "not listed")
+                if len(errors) >= max_errors:
+                    return errors[:max_errors]
     return errors

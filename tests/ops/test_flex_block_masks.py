@@ -266,3 +266,34 @@ def test_stand_in_reads_full_lists_at_the_partial_lists_offsets() -> None:
     assert block_list_errors(right, q_len=8, kv_len=64) == []
     assert not torch.allclose(bad[1], ref[1])  # entry 1 read entry 0's list, shifted
     assert any("differ in shape" in e for e in block_list_errors(wrong, q_len=8, kv_len=64))
+
+
+def test_checker_names_each_kind_of_wrong_list() -> None:
+    """The checker on a torch-built mask, then with a block dropped, a partial block
+    listed as full and a block listed twice."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    mask = _torch_mask(2, 70, 150, window=100)
+    assert block_list_errors(mask, q_len=70, kv_len=150) == []
+
+    def variant(num: torch.Tensor, idx: torch.Tensor, fnum: torch.Tensor,
+                fidx: torch.Tensor) -> list[str]:
+        m = BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=mask.BLOCK_SIZE,
+                                     mask_mod=mask.mask_mod, seq_lengths=(70, 150),
+                                     compute_q_blocks=False)
+        return block_list_errors(m, q_len=70, kv_len=150)
+
+    num, idx = mask.kv_num_blocks.clone(), mask.kv_indices.clone()
+    fnum, fidx = mask.full_kv_num_blocks.clone(), mask.full_kv_indices.clone()
+    z, q = 1, 0
+    assert int(num[z, 0, q]) > 0 and int(fnum[z, 0, q]) > 0
+    dropped = num.clone()
+    dropped[z, 0, q] -= 1
+    assert any("not listed" in e for e in variant(dropped, idx, fnum, fidx))
+    as_full = fidx.clone()
+    as_full[z, 0, q, int(fnum[z, 0, q])] = idx[z, 0, q, 0]
+    more = fnum.clone()
+    more[z, 0, q] += 1
+    errors = variant(num, idx, more, as_full)
+    assert any("has masked pairs" in e for e in errors)
+    assert any("listed twice" in e for e in errors)
