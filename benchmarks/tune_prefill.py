@@ -190,11 +190,36 @@ DECODE_PAGES = (64, 128)
 """Page sizes timed besides ``--block-size`` (the decode kernel's key tile is a page)."""
 
 
+def _decode_cache(b: int, ctx: int, bs: int, args: argparse.Namespace, device: torch.device,
+                  seed: int) -> tuple[torch.Tensor, PagedKV, Any]:
+    """``b`` decodes of ``ctx`` keys (the last one this step's): random queries and a
+    block-interleaved cache of page ``bs`` with every request's keys written, made on
+    the device (the host generator of ``Shape`` would take seconds at this size)."""
+    from vllm.attention.batch import make_paged_batch
+
+    g = torch.Generator(device).manual_seed(seed)
+    h, d, dtype = args.kv_heads, args.head_size, args.torch_dtype
+    batch = make_paged_batch([1] * b, [ctx - 1] * b, block_size=bs, device=device,
+                             generator=torch.Generator().manual_seed(seed))
+    q = torch.randn(b, args.heads, d, generator=g, device=device).to(dtype)
+    layout = L.SPLIT_BLOCK_INTERLEAVED
+    cache = torch.zeros(kv_cache_shape(layout, batch.num_blocks, bs, h, d), dtype=dtype,
+                        device=device)
+    quant = KVQuant.unscaled()
+    per_req = ctx - 1
+    slots = torch.cat([batch.context_slots.view(b, per_req), batch.new_slots.view(b, 1)], 1)
+    keys = torch.randn(b * ctx, h, d, generator=g, device=device).to(dtype)
+    vals = torch.randn(b * ctx, h, d, generator=g, device=device).to(dtype)
+    reference_write(layout, keys, vals, cache, slots.reshape(-1), quant)
+    kv = PagedKV.from_cache(cache, layout, quant, block_size=bs, num_kv_heads=h, head_size=d)
+    return q, kv, batch.common
+
+
 def sweep_flex_decode(args: argparse.Namespace, device: torch.device, deadline: float
                       ) -> list[dict[str, Any]]:
     """FlexAttention decode (page_table mode) against the Triton decode kernel on the same
     cache: Inductor decode-kernel launches, page sizes, a batch whose last pages are
-    partly written (the torch tail path), and the host time per call."""
+    partly written (the tail path), and the host time per call."""
     from _timing import host_us
 
     from vllm.attention.ops import flex_paged
@@ -206,61 +231,60 @@ def sweep_flex_decode(args: argparse.Namespace, device: torch.device, deadline: 
     runs: list[tuple[int, int, list[dict[str, Any]]]] = [(args.block_size, ctx, DECODE_OPTIONS)]
     runs += [(bs, ctx, [{}]) for bs in DECODE_PAGES if bs != args.block_size]
     runs += [(args.block_size, ctx - 6, [{}])]  # last pages 10 of 16 rows written: tails
-    g = torch.Generator().manual_seed(1)
-    for bs, c, options in runs:
+    for seed, (bs, c, options) in enumerate(runs):
         if time.monotonic() > deadline:
             rows.append(dict(shape="-", variant="(budget spent: remaining variants skipped)"))
             break
-        sub = argparse.Namespace(**{**vars(args), "block_size": bs})
-        shape = Shape(f"decode {b}x{c} page {bs}", [c - 1] * b, [1] * b, sub, device, g)
-        kv = _cache(shape, sub, L.SPLIT_BLOCK_INTERLEAVED)
-        kv_bytes = 2 * b * c * args.kv_heads * args.head_size * shape.q.element_size()
-        meta = shape.batch.common
-        ref = torch.empty_like(shape.q)
+        name = f"decode {b}x{c} page {bs}"
+        q, kv, meta = _decode_cache(b, c, bs, args, device, seed)
+        kv_bytes = 2 * b * c * args.kv_heads * args.head_size * q.element_size()
+        ref = torch.empty_like(q)
 
-        def triton(out: torch.Tensor = ref, shape: Shape = shape, kv: PagedKV = kv) -> Any:
-            return paged_attention_triton(shape.q, kv, shape.batch.common, scale=scale,
-                                          output=out, causal=True)
+        def triton(out: torch.Tensor = ref, q: torch.Tensor = q, kv: PagedKV = kv,
+                   meta: Any = meta) -> Any:
+            return paged_attention_triton(q, kv, meta, scale=scale, output=out, causal=True)
 
         triton()
         base_us = event_us(triton, iters=args.iters, warmup=2, rounds=3, device=device)
-        rows.append(dict(shape=shape.name, variant="triton decode (op)", time_us=base_us,
+        host = host_us(triton, device, calls=200, rounds=3)["loop_us"]
+        rows.append(dict(shape=name, variant="triton decode (op)", time_us=base_us,
                          gbps=kv_bytes / base_us / 1e3, ratio=1.0,
-                         note=f"host {host_us(triton, device, calls=200, rounds=3)['loop_us']:.0f} us/call"))
+                         note=f"host {host:.0f} us/call"))
         for opts in options:
             if time.monotonic() > deadline:
-                rows.append(dict(shape=shape.name, variant="(budget spent)"))
+                rows.append(dict(shape=name, variant="(budget spent)"))
                 break
-            out = torch.empty_like(shape.q)
+            out = torch.empty_like(q)
 
-            def flex(opts: dict[str, Any] = opts, out: torch.Tensor = out, shape: Shape = shape,
-                     kv: PagedKV = kv) -> Any:
+            def flex(opts: dict[str, Any] = opts, out: torch.Tensor = out, q: torch.Tensor = q,
+                     kv: PagedKV = kv, meta: Any = meta) -> Any:
                 return flex_paged.flex_paged_attention(
-                    shape.q, kv, meta, scale=scale, output=out, mode="page_table",
+                    q, kv, meta, scale=scale, output=out, mode="page_table",
                     compiled=True, kernel_options=opts or None)
 
+            launch = {**flex_paged.decode_launch(device), **opts}
+            label = f"flex {launch or 'inductor default'}"
             t0 = time.perf_counter()
             try:
                 flex()
                 torch.cuda.synchronize(device)
             except Exception as exc:  # a launch that does not compile: report, keep going
-                rows.append(dict(shape=shape.name, variant=f"flex {opts}",
+                rows.append(dict(shape=name, variant=label,
                                  note=f"{type(exc).__name__}: {str(exc)[:100]}"))
                 continue
             first = time.perf_counter() - t0
             info = flex_paged.last_run
             t = event_us(flex, iters=args.iters, warmup=2, rounds=3, device=device)
-            host = host_us(flex, device, calls=50, rounds=3)["loop_us"] if not opts else None
-            launch = {**flex_paged.decode_launch(device), **opts}
+            host_flex = host_us(flex, device, calls=50, rounds=3)["loop_us"] if not opts else None
             err = _rel(out, ref)
-            rows.append(dict(shape=shape.name, variant=f"flex {launch or 'inductor default'}",
-                             time_us=t, gbps=kv_bytes / t / 1e3, ratio=base_us / t, rel_err=err,
-                             default=not opts,
+            rows.append(dict(shape=name, variant=label, time_us=t, gbps=kv_bytes / t / 1e3,
+                             ratio=base_us / t, rel_err=err, default=not opts,
                              note=(f"{'' if err <= 2e-2 else 'WRONG: error above 2e-2; '}"
                                    f"{'' if info is None or info.compiled else f'EAGER {info}; '}"
                                    f"first call {first:.1f} s"
-                                   + ("" if host is None else f"; host {host:.0f} us/call"))))
-        del shape, kv
+                                   + ("" if host_flex is None
+                                      else f"; host {host_flex:.0f} us/call"))))
+        del q, kv, meta
         torch.cuda.empty_cache()
     return rows
 
