@@ -39,11 +39,6 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [  # name: MLADecodeConfig argument
     ("bh64-bn64-w8-s2-1chunk-split", dict(block_h=64, block_n=64, num_warps=8, num_stages=2,
                                           latent_chunks=1, split_scores=True)),
     ("bh64-bn64-w8-s2", dict(block_h=64, block_n=64, num_warps=8, num_stages=2)),  # before
-    # few heads as the N of the MMAs: the sm_90 default at <= 16 heads (not fp8)
-    ("bh16-bn64-w4-s2-1chunk-headsN", dict(block_h=16, block_n=64, num_warps=4,
-                                           num_stages=2, latent_chunks=1, heads_as_n=True)),
-    ("bh32-bn64-w4-s2-1chunk-headsN", dict(block_h=32, block_n=64, num_warps=4,
-                                           num_stages=2, latent_chunks=1, heads_as_n=True)),
     ("bh64-bn64-w8-s2-split", dict(block_h=64, block_n=64, num_warps=8, num_stages=2,
                                    split_scores=True)),
     ("bh64-bn64-w8-s2-1chunk", dict(block_h=64, block_n=64, num_warps=8, num_stages=2,

@@ -90,8 +90,6 @@ VARIANTS = {  # name: MLADecodeConfig arguments
                                                 num_stages=2, latent_chunks=1,
                                                 split_scores=True, fp8_fp16_dot=False),
     "bh64-bn64-w8-s2": dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
-    "bh16-bn64-w4-s2-1chunk-headsN": dict(block_h=16, block_n=64, num_warps=4, num_stages=2,
-                                          latent_chunks=1, heads_as_n=True),
     "bh64-bn32-w8-s2": dict(block_h=64, block_n=32, num_warps=8, num_stages=2),
     "bh64-bn64-w8-s2-notma": dict(block_h=64, block_n=64, num_warps=8, num_stages=2,
                                   tma=False),

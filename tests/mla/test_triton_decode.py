@@ -316,11 +316,10 @@ def test_default_launches_by_device_heads_and_cache() -> None:
     hopper = GPU("nvidia", (9, 0))
     wide = default_config(torch.bfloat16, hopper)
     assert (wide.block_h, wide.split_scores, wide.latent_chunks) == (64, True, 1)
-    narrow = default_config(torch.bfloat16, hopper, num_heads=16)
-    assert (narrow.block_h, narrow.heads_as_n) == (16, True)
-    # fp8: the widened tile as the first operand would stay in registers
-    assert not default_config(torch.bfloat16, hopper, num_heads=16, fp8=True).heads_as_n
-    assert not default_config(torch.bfloat16, hopper, num_heads=32).heads_as_n
+    # heads as N is wrong on an H200 (docs/mla.md): no default takes it
+    for heads in (16, 32, 128):
+        for fp8 in (False, True):
+            assert not default_config(torch.bfloat16, hopper, num_heads=heads, fp8=fp8).heads_as_n
     assert default_config(torch.bfloat16, GPU("nvidia", (10, 0)), num_heads=16).v_split == 2
     assert default_config(torch.bfloat16, None).block_h == 16
 
@@ -342,3 +341,25 @@ def test_choose_splits_fills_the_device_and_no_more() -> None:
     assert choose_splits(num_tokens=0, programs_per_split=2, max_seq_len=100, **deepseek) == 1
     assert choose_splits(num_tokens=1, programs_per_split=1, max_seq_len=10**6,
                          **deepseek) == MAX_SPLITS
+
+
+def test_heads_as_n_is_refused_outside_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The heads-as-N launch passes here but computed wrong outputs on an H200: a GPU
+    call of it is an error naming the config, raised before anything is launched."""
+    from vllm.attention.errors import InvalidArgumentError
+    from vllm.attention.ops import triton_mla_decode as m
+    from vllm.attention.ops.mla_attention import LatentFormat
+
+    monkeypatch.setattr(m, "_interpreting", lambda: False)  # as on a GPU
+    monkeypatch.setattr(m, "_device_facts", lambda device: (132, None))
+    monkeypatch.setattr(m, "_kernels", lambda interp: pytest.fail("launched"))
+    cfg = m.MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2,
+                            latent_chunks=1, heads_as_n=True)
+    fmt = LatentFormat("auto", 32, 16, torch.ones(1), torch.bfloat16)
+    q = torch.randn(2, 4, 48).bfloat16()
+    cache = torch.randn(3, 64, 48).bfloat16()
+    with pytest.raises(InvalidArgumentError, match="config.heads_as_n"):
+        m.mla_decode_mma(q, cache, torch.tensor([[1, 2]], dtype=torch.int32),
+                            torch.zeros(2, dtype=torch.int32),
+                            torch.tensor([3, 9], dtype=torch.int32), fmt, scale=0.2,
+                            max_seq_len=10, config=cfg)

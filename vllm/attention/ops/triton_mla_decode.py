@@ -117,12 +117,6 @@ def default_config(q_dtype: torch.dtype, gpu: GPU | None, *, num_heads: int = 12
         # tile: the smallest tiles tl.dot takes
         return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
     capability = gpu.capability
-    if capability[0] == 9 and num_heads <= 16 and not fp8:
-        # few heads as the N of the MMAs (the keys and the latent columns as M): no
-        # padding to the 64 rows of a warpgroup MMA, 166 registers. Not for fp8: the
-        # widened tile, the MMAs' first operand here, would stay in registers and spill
-        return MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2,
-                               latent_chunks=1, heads_as_n=True)
     if capability[0] == 9:
         # 64 heads (masked below 64): the M of a Hopper warpgroup MMA, which Ampere's
         # MMA would need in registers. 8 warps hold the [64, 512] float32 accumulator in
@@ -289,6 +283,13 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     num_sms, gpu = (1, None) if interp else _device_facts(q_lat.device)
     fp8 = _FP8_CODES.get(kv_cache.dtype, 0)
     cfg = config or default_config(q_lat.dtype, gpu, num_heads=n, fp8=bool(fp8))
+    if cfg.heads_as_n and not interp:
+        raise InvalidArgumentError(
+            "config.heads_as_n", True,
+            "False on a GPU: the heads-as-N launch computed wrong outputs (relative error "
+            "0.18) and made an illegal memory access on an H200 (2026-12-01, "
+            "benchmarks/results/h200/2026-12-01-3c3e403); it runs under the "
+            "interpreter only until that is found (docs/mla.md)")
     block_l = _next_pow2(L)
     chunks = 1 if block_l <= _MAX_BOX else cfg.latent_chunks
     lc = block_l // chunks
