@@ -297,3 +297,25 @@ def test_checker_names_each_kind_of_wrong_list() -> None:
     errors = variant(num, idx, more, as_full)
     assert any("has masked pairs" in e for e in errors)
     assert any("listed twice" in e for e in errors)
+
+
+def test_block_lists_of_random_batches(block_sparse: Seen) -> None:
+    """Random batches (1-6 requests, decodes and prefills up to 300 tokens, contexts up
+    to 400, causal or not, windows, pages of 16-64) in both modes: no list error, and
+    the stand-in's result within tolerance of float64."""
+    import random
+
+    rnd = random.Random(0)
+    for i in range(24):
+        n = rnd.randint(1, 6)
+        case = Case(L.SPLIT_BLOCK_INTERLEAVED, head_size=16, group=2, num_kv_heads=1,
+                    query_lens=tuple(rnd.choice([1, 1, rnd.randint(1, 300)]) for _ in range(n)),
+                    context_lens=tuple(rnd.randint(0, 400) for _ in range(n)),
+                    causal=rnd.random() < 0.8,
+                    sliding_window=rnd.choice([None, None, rnd.randint(1, 200)]),
+                    block_size=rnd.choice([16, 32, 64]), seed=i)
+        mode = rnd.choice(["gather", "page_table"])
+        block_sparse.calls.clear()
+        b, out = _run(case, mode, block_sparse)
+        assert block_sparse.calls[0]["errors"] == [], (mode, case)
+        assert rel_err(out, b.reference) <= TOLERANCE[torch.float32], (mode, case)
