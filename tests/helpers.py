@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -41,3 +42,19 @@ def every_16_bit_pattern(dtype: torch.dtype, heads: int, d: int = 128) -> torch.
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def any_scale_quant(cache_dtype: str, k_scale: torch.Tensor, v_scale: torch.Tensor) -> Any:
+    """A ``KVQuant`` holding scales of any value (zero, negative, subnormal, huge).
+
+    ``KVQuant`` refuses such values in CPU tensors and does not read device tensors back
+    to check them, so a kernel can meet them on a device. A test that holds the kernel to
+    the torch reference for them builds the reference's ``KVQuant`` this way: the dtype and
+    shape checks still run (on ones), then the scales are put in place.
+    """
+    from vllm.attention import KVQuant
+
+    quant = KVQuant(cache_dtype, torch.ones_like(k_scale), torch.ones_like(v_scale))  # type: ignore[arg-type]
+    object.__setattr__(quant, "k_scale", k_scale.reshape(-1))
+    object.__setattr__(quant, "v_scale", v_scale.reshape(-1))
+    return quant

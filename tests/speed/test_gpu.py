@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.helpers import every_16_bit_pattern, fill_random_bytes, raw
+from tests.helpers import any_scale_quant, every_16_bit_pattern, fill_random_bytes, raw
 from tests.writers.oracle import edge_values
 from vllm.attention import KVQuant, allocate_kv_cache
 from vllm.attention.backends.triton_attn import TritonAttentionBackend
@@ -167,7 +167,7 @@ def test_fused_rope_cuda_every_bf16_pattern(cache_dtype: str, scales_per: str,
         slots = torch.randperm(n + 16, generator=g)[:n]
         want = torch.zeros(-(-(n + 16) // 16), 2, 16, 8, 128, dtype=storage)
         reference_write(L.SPLIT_NHD, rotate_reference(key, positions, rope_cpu), value, want,
-                        slots, KVQuant(cache_dtype, ks, vs))  # type: ignore[arg-type]
+                        slots, any_scale_quant(cache_dtype, ks, vs))
         got = torch.zeros_like(want, device=DEV)
         w.write_with_rope(None, key.to(DEV), value.to(DEV), got, slots.to(DEV),
                           KVQuant(cache_dtype, ks.to(DEV), vs.to(DEV)),  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from tests.helpers import every_16_bit_pattern, fill_random_bytes
+from tests.helpers import any_scale_quant, every_16_bit_pattern, fill_random_bytes
 from tests.writers.oracle import Case, L, all_cases, check, edge_values, prepare, write
 from vllm.attention import KVQuant
 from vllm.attention.writers import (
@@ -228,7 +228,8 @@ def test_fast_division_is_byte_identical_exhaustively(in_dtype: str, cache_dtype
             cache = torch.zeros(-(-(n + 16) // 16), 2, 16, heads, 128, dtype=storage)
             want = cache.clone()
             SplitKVCacheWriter(L.SPLIT_NHD).write(x, value, want, slots,
-                                                  KVQuant(cache_dtype, ks, vs), path="torch")
+                                                  any_scale_quant(cache_dtype, ks, vs),
+                                                  path="torch")
             got = cache.cuda()
             w.write(x.cuda(), value.cuda(), got, slots.cuda(),
                     KVQuant(cache_dtype, ks.cuda(), vs.cuda()))
@@ -266,8 +267,8 @@ def test_mla_fp8_write_is_byte_identical_exhaustively(tokens_per_program: str,
             fill_random_bytes(cache, n)
             want = cache.clone()
             s = torch.tensor([scale])
-            MLALatentCacheWriter().write(kv_c, k_pe, want, slots, KVQuant("fp8_e4m3", s, s),
-                                         path="torch")
+            MLALatentCacheWriter().write(kv_c, k_pe, want, slots,
+                                         any_scale_quant("fp8_e4m3", s, s), path="torch")
             got = cache.cuda()
             sd = s.cuda()
             w.write(kv_c.cuda(), k_pe.cuda(), got, slots.cuda(), KVQuant("fp8_e4m3", sd, sd))

@@ -181,6 +181,18 @@ class KVQuant:
         object.__setattr__(self, "v_scale", _checked_scale("v_scale", self.v_scale))
 
     @classmethod
+    def of_checked(cls, kv_cache_dtype: KVCacheDType, k_scale: torch.Tensor,
+                   v_scale: torch.Tensor) -> KVQuant:
+        """A ``KVQuant`` around scales a checked one already holds (a writer re-binding
+        the tensors of a call it validated): no check runs again, so what passed once
+        (a device tensor's values are never read) is not refused the second time."""
+        quant = object.__new__(cls)
+        object.__setattr__(quant, "kv_cache_dtype", kv_cache_dtype)
+        object.__setattr__(quant, "k_scale", k_scale)
+        object.__setattr__(quant, "v_scale", v_scale)
+        return quant
+
+    @classmethod
     def unscaled(
         cls, kv_cache_dtype: KVCacheDType = "auto", device: torch.device | str = "cpu"
     ) -> KVQuant:

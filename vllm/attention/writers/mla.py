@@ -138,7 +138,7 @@ class MLALatentCacheWriter(WriterBase):
             )
         q = check_quant(quant, num_kv_heads=1, device=cache.device, allowed=self.cache_dtypes)
         check_cache_dtype(cache, q.kv_cache_dtype, kv_c.dtype)
-        return kv_c, pe, slots, cache, KVQuant(q.kv_cache_dtype, q.k_scale, q.k_scale)
+        return kv_c, pe, slots, cache, KVQuant.of_checked(q.kv_cache_dtype, q.k_scale, q.k_scale)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:

@@ -186,7 +186,7 @@ def views_runner(views: Views, cache_dtype: KVCacheDType, path: WritePath, *,
     def reference(live: Sequence[torch.Tensor]) -> None:
         k_view, v_view = views(live[2])
         reference_split_write(rows(live[0]), rows(live[1]), k_view, v_view, live[3],
-                              KVQuant(cache_dtype, live[4], live[5]))
+                              KVQuant.of_checked(cache_dtype, live[4], live[5]))
 
     return reference
 
@@ -216,7 +216,7 @@ def rope_runner(views: Views, cache_dtype: KVCacheDType, style: str, has_query: 
         scatter_kv_views_with_rope(
             live[6] if has_query else None, rows(live[0]), rows(live[1]), k_view, v_view,
             live[3],
-            KVQuant(cache_dtype, live[4], live[5]), live[7],
+            KVQuant.of_checked(cache_dtype, live[4], live[5]), live[7],
             RoPE(live[8], "neox" if neox else "gptj"), path="torch")
 
     return reference
