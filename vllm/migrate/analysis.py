@@ -479,3 +479,26 @@ def choose_backend(info: ModuleInfo, class_name: str | None) -> ClassInfo:
     raise MigrationError(
         f"{info.path}: not an attention backend module: no class subclasses a legacy "
         f"AttentionBackend or defines {', '.join(LEGACY_REQUIRED)}")
+
+
+def unset_self_reads(cls: ClassInfo, names: frozenset[str] | set[str]
+                     ) -> list[tuple[cst.Attribute, str]]:
+    """Reads of ``self.<name>`` (``name`` in ``names``) in ``cls`` that the class never
+    assigns itself: state a legacy base set, which its migration does not."""
+    assigned: set[str] = set(cls.attrs)
+    reads: list[tuple[cst.Attribute, str]] = []
+
+    class Visitor(cst.CSTVisitor):
+        def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+            t = node.target
+            if isinstance(t, cst.Attribute) and isinstance(t.value, cst.Name) and \
+                    t.value.value == "self":
+                assigned.add(t.attr.value)
+
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            if isinstance(node.value, cst.Name) and node.value.value == "self" and \
+                    node.attr.value in names:
+                reads.append((node, node.attr.value))
+
+    cls.node.visit(Visitor())
+    return [(node, attr) for node, attr in reads if attr not in assigned]

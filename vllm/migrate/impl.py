@@ -8,7 +8,14 @@ from typing import Final
 
 import libcst as cst
 
-from vllm.migrate.analysis import ClassInfo, dotted, function_body, is_docstring, params
+from vllm.migrate.analysis import (
+    ClassInfo,
+    dotted,
+    function_body,
+    is_docstring,
+    params,
+    unset_self_reads,
+)
 from vllm.migrate.declarations import Declarations
 from vllm.migrate.metadata import _names, _set_base, body_with, with_signature
 from vllm.migrate.plan import Plan, expression, statements_from
@@ -405,25 +412,7 @@ def _nested(node: cst.CSTNode) -> set[cst.CSTNode]:
 def _legacy_state(plan: Plan, cls: ClassInfo) -> None:
     """Mark reads of the legacy impl base's state the class does not set itself (a base of
     another module may read it too: its own migration may drop the state, not set it)."""
-    assigned: set[str] = set(cls.attrs)
-    reads: list[tuple[cst.Attribute, str]] = []
-
-    class Visitor(cst.CSTVisitor):
-        def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-            t = node.target
-            if isinstance(t, cst.Attribute) and isinstance(t.value, cst.Name) and \
-                    t.value.value == "self":
-                assigned.add(t.attr.value)
-
-        def visit_Attribute(self, node: cst.Attribute) -> None:
-            if isinstance(node.value, cst.Name) and node.value.value == "self" and \
-                    node.attr.value in LEGACY_IMPL_STATE:
-                reads.append((node, node.attr.value))
-
-    cls.node.visit(Visitor())
-    for node, attr in reads:
-        if attr in assigned:
-            continue
+    for node, attr in unset_self_reads(cls, LEGACY_IMPL_STATE):
         stmt = plan.info.statement_of(node)
         if stmt in plan.remove:
             continue

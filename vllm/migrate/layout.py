@@ -13,7 +13,7 @@ import libcst as cst
 
 from vllm.attention.types import KVCacheLayout
 from vllm.migrate.analysis import ClassInfo, ModuleInfo
-from vllm.migrate.literal import NOT_LITERAL, Evaluator, Raised
+from vllm.migrate.literal import Evaluator, Raised
 from vllm.migrate.report import MigrationError
 
 PROBE: Final = (7, 16, 3, 8)

@@ -9,7 +9,7 @@ from typing import Final
 import libcst as cst
 
 from vllm.migrate.analysis import ClassInfo, ModuleInfo, class_body, dotted, function_body, \
-    is_docstring, params
+    is_docstring, params, unset_self_reads
 from vllm.migrate.plan import Plan, expression, method_from, statements_from
 
 COMMON_RENAMED: Final = {"block_table_tensor": "block_table"}
@@ -242,25 +242,9 @@ LEGACY_BUILDER_STATE: Final = frozenset({"vllm_config", "kv_cache_spec", "layer_
 def _builder_state(plan: Plan, cls: ClassInfo) -> None:
     """Mark reads of ``self.vllm_config`` (and the other legacy base state) the class does
     not set itself."""
-    assigned: set[str] = set(cls.attrs)
-    reads: list[tuple[cst.Attribute, str]] = []
-
-    class Visitor(cst.CSTVisitor):
-        def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-            t = node.target
-            if isinstance(t, cst.Attribute) and isinstance(t.value, cst.Name) and \
-                    t.value.value == "self":
-                assigned.add(t.attr.value)
-
-        def visit_Attribute(self, node: cst.Attribute) -> None:
-            if isinstance(node.value, cst.Name) and node.value.value == "self" and \
-                    node.attr.value in LEGACY_BUILDER_STATE:
-                reads.append((node, node.attr.value))
-
-    cls.node.visit(Visitor())
-    for node, attr in reads:
+    for node, attr in unset_self_reads(cls, LEGACY_BUILDER_STATE):
         stmt = plan.info.statement_of(node)
-        if attr not in assigned and stmt not in plan.remove:
+        if stmt not in plan.remove:
             plan.mark(stmt, f"reads self.{attr}, which the legacy builder base set",
                       "read what you need from self.spec (AttentionLayerSpec) instead")
 
@@ -319,7 +303,6 @@ def body_with(fn: cst.FunctionDef, first: list[cst.BaseStatement]) -> cst.Functi
 
 
 def _rewrite_builder_init(plan: Plan, cls: ClassInfo, init: cst.FunctionDef) -> None:
-    info = plan.info
     ps = [p.name.value for p in params(init)[1:]]
     device = ps[-1] if ps else "device"
     extra = ps[:-1]
