@@ -23,8 +23,7 @@ from vllm.attention.conformance import (
     check_config,
     conformance_grid,
 )
-from vllm.attention.types import AttentionType, KVCacheDType
-from vllm.attention.writer import KVCacheWriter
+from vllm.attention.types import AttentionType
 from vllm.attention.writers.split import SplitKVCacheWriter
 from vllm.attention.types import KVCacheLayout
 

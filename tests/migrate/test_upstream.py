@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-import pytest
 
 from shim.adapter import adapt_quietly
 from tests.migrate.support import LEGACY, marked_lines, mypy_strict, run
