@@ -124,8 +124,9 @@ class AttentionLayerSpec:
                 "num_heads", self.num_heads,
                 f"a multiple of num_kv_heads={self.num_kv_heads}",
             )
-        if (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))
-                or not math.isfinite(self.scale) or self.scale <= 0):
+        scale: object = self.scale
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                or not math.isfinite(scale) or scale <= 0):
             raise InvalidArgumentError("scale", self.scale, "a positive finite float")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise InvalidArgumentError("sliding_window", self.sliding_window, "None or > 0")
