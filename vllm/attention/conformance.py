@@ -29,7 +29,7 @@ from vllm.attention.backend import (
     block_axis,
     dtype_name,
 )
-from vllm.attention.batch import make_paged_batch
+from vllm.attention.batch import PagedBatch, make_paged_batch
 from vllm.attention.errors import AttentionError
 from vllm.attention.layer import Attention
 from vllm.attention.ops.reference import attend
@@ -333,19 +333,27 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm()) / (denom if denom > 0 else 1.0)
 
 
-def _check_compute(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) -> list[str]:
-    failures: list[str] = []
+def _compute_batch(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator
+                   ) -> tuple[PagedBatch, torch.Tensor, Attention]:
+    """The compute check's batch (decoder: requests with and without cached context,
+    prefill and decode rows; encoder: whole sequences at once), a random cache for it and
+    a layer bound to that cache."""
     bs = cfg.block_size
-    query_lens = [bs + 3, 1, 7, 1, 2]
-    context_lens = [0, 2 * bs + 1, bs, bs - 1, 3 * bs + 5]
     causal = cfg.attn_type is AttentionType.DECODER
-    if not causal:  # encoder: whole sequences at once
-        query_lens, context_lens = [bs + 3, 5, 2 * bs + 1], [0, 0, 0]
+    query_lens, context_lens = ([bs + 3, 1, 7, 1, 2], [0, 2 * bs + 1, bs, bs - 1, 3 * bs + 5]) \
+        if causal else ([bs + 3, 5, 2 * bs + 1], [0, 0, 0])
     batch = make_paged_batch(query_lens, context_lens, block_size=bs, device=cfg.device,
                              generator=gen, causal=causal)
     cache = _random_cache(backend, cfg, batch.num_blocks, gen)
     layer = _make_layer(backend, cfg, gen)
     layer.bind_kv_cache(cache, bs)
+    return batch, cache, layer
+
+
+def _check_compute(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) -> list[str]:
+    failures: list[str] = []
+    batch, cache, layer = _compute_batch(backend, cfg, gen)
+    causal = cfg.attn_type is AttentionType.DECODER
     dv = cfg.head_size_v or cfg.head_size
     n_ctx, n_new = int(batch.context_slots.numel()), int(batch.new_slots.numel())
     k_ctx = _randn((n_ctx, cfg.num_kv_heads, cfg.head_size), cfg, gen)
@@ -373,7 +381,7 @@ def _check_compute(backend: AnyBackend, cfg: CheckConfig, gen: torch.Generator) 
     # float64 reference over the dequantised cached K/V of each request
     kv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # per request: q, k, v
     ctx_at = new_at = 0
-    for c, qn in zip(context_lens, query_lens):
+    for c, qn in zip(batch.context_lens, batch.query_lens):
         slots = torch.cat([batch.context_slots[ctx_at: ctx_at + c],
                            batch.new_slots[new_at: new_at + qn]])
         k, v = read_slots(backend.kv_cache_layout_for(cfg.cache_dtype), cache, slots,
@@ -433,15 +441,7 @@ def run_layer_step(backend: AnyBackend, cfg: CheckConfig, *, seed: int = 0) -> S
     the backend's cache shape, so two backends of one layout get identical steps (the
     adapted original and its migration, for ``vllm-attn migrate --check``)."""
     gen = torch.Generator().manual_seed(seed)
-    bs = cfg.block_size
-    causal = cfg.attn_type is AttentionType.DECODER
-    query_lens, context_lens = ([bs + 3, 1, 7, 1, 2], [0, 2 * bs + 1, bs, bs - 1, 3 * bs + 5]) \
-        if causal else ([bs + 3, 5, 2 * bs + 1], [0, 0, 0])
-    batch = make_paged_batch(query_lens, context_lens, block_size=bs, device=cfg.device,
-                             generator=gen, causal=causal)
-    cache = _random_cache(backend, cfg, batch.num_blocks, gen)
-    layer = _make_layer(backend, cfg, gen)
-    layer.bind_kv_cache(cache, bs)
+    batch, cache, layer = _compute_batch(backend, cfg, gen)
     dv = cfg.head_size_v or cfg.head_size
     n_ctx, n_new = int(batch.context_slots.numel()), int(batch.new_slots.numel())
     if n_ctx:
