@@ -112,12 +112,7 @@ class LegacyPagedKVCacheWriter(WriterBase):
         check_kv_inputs(key, value, slot_mapping, quant, cache=cache, num_kv_heads=h,
                         head_size=d, head_size_v=d, cache_dtypes=self.cache_dtypes)
         k5, v4 = legacy_paged_views(cache, h, d)
-        if resolve_path(cache.device, path) == "triton":
-            scatter_kv(key, value, ScatterTarget.x_split_key(k5),
-                       ScatterTarget.head_major_value(v4), slot_mapping,
-                       scatter_mode(quant.kv_cache_dtype), quant.k_scale, quant.v_scale)
-        else:
-            reference_legacy_paged_write(key, value, k5, v4, slot_mapping, quant)
+        scatter_legacy_paged_views(key, value, k5, v4, slot_mapping, quant, path=path)
 
 
 def write_legacy_paged_views(
@@ -148,6 +143,21 @@ def write_legacy_paged_views(
     h, d = int(v4.shape[1]), int(v4.shape[2])
     check_kv_inputs(key, value, slot_mapping, quant, cache=k5, num_kv_heads=h, head_size=d,
                     head_size_v=d, cache_dtypes=cache_dtypes)
+    scatter_legacy_paged_views(key, value, k5, v4, slot_mapping, quant, path=path)
+
+
+def scatter_legacy_paged_views(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k5: torch.Tensor,
+    v4: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    quant: KVQuant,
+    *,
+    path: WritePath | None = None,
+) -> None:
+    """Write, unchecked, into the K ``[nb, H, D/x, bs, x]`` and V ``[nb, H, D, bs]``
+    views: the Triton scatter, or the torch reference, as ``path`` resolves."""
     if resolve_path(k5.device, path) == "triton":
         scatter_kv(key, value, ScatterTarget.x_split_key(k5),
                    ScatterTarget.head_major_value(v4), slot_mapping,
