@@ -51,6 +51,7 @@ class AttentionMetadata:
 
 
 M = TypeVar("M", bound=AttentionMetadata)
+_Item = TypeVar("_Item")
 M_co = TypeVar("M_co", bound=AttentionMetadata, covariant=True)
 
 
@@ -316,55 +317,50 @@ def _layout(value: object) -> KVCacheLayout:
 _DTYPE_BY_NAME = {name: d for d, name in _DTYPE_NAMES.items()}
 
 
-def _model_dtypes(value: object) -> frozenset[torch.dtype]:
-    found: set[torch.dtype] = set()
+def _set_of(value: object, parse: Callable[[object], _Item | None],
+            allowed: str) -> frozenset[_Item]:
+    """``value`` (one member, or a set, list or tuple of them) as the frozenset of what
+    ``parse`` makes of each member; rejected, naming ``allowed``, when it is empty or any
+    member parses to None. A frozenset that is already right is returned as itself."""
+    found: set[_Item] = set()
     for item in _members(value):
-        if isinstance(item, str):
-            item = _DTYPE_BY_NAME.get(item.removeprefix("torch."), item)
-        if not (isinstance(item, torch.dtype) and item in _FLOAT_DTYPES):
-            found.clear()
-            break
-        found.add(item)
-    if not found:
-        raise _Rejected("one or more of torch.float32, torch.float16, torch.bfloat16 (or their "
-                        "names), alone or in a set, list or tuple")
-    if isinstance(value, frozenset) and found == set(value):
-        return value
-    return frozenset(found)
-
-
-def _cache_dtypes(value: object) -> frozenset[KVCacheDType]:
-    found: set[KVCacheDType] = set()
-    for item in _members(value):
-        parsed = next((d for d in KV_CACHE_DTYPES if item == d), None)
+        parsed = parse(item)
         if parsed is None:
             found.clear()
             break
         found.add(parsed)
     if not found:
-        raise _Rejected("one or more of " + ", ".join(KV_CACHE_DTYPES)
-                        + ", alone or in a set, list or tuple")
+        raise _Rejected(allowed + ", alone or in a set, list or tuple")
     if isinstance(value, frozenset) and found == set(value):
         return value
     return frozenset(found)
+
+
+def _model_dtype(item: object) -> torch.dtype | None:
+    if isinstance(item, str):
+        item = _DTYPE_BY_NAME.get(item.removeprefix("torch."), item)
+    return item if isinstance(item, torch.dtype) and item in _FLOAT_DTYPES else None
+
+
+def _model_dtypes(value: object) -> frozenset[torch.dtype]:
+    return _set_of(value, _model_dtype, "one or more of torch.float32, torch.float16, "
+                                        "torch.bfloat16 (or their names)")
+
+
+def _cache_dtypes(value: object) -> frozenset[KVCacheDType]:
+    return _set_of(value, lambda item: next((d for d in KV_CACHE_DTYPES if item == d), None),
+                   "one or more of " + ", ".join(KV_CACHE_DTYPES))
+
+
+def _attention_type(item: object) -> AttentionType | None:
+    if isinstance(item, str):
+        item = next((t for t in AttentionType if item.lower() == t.value), item)
+    return item if isinstance(item, AttentionType) else None
 
 
 def _attention_types(value: object) -> frozenset[AttentionType]:
-    found: set[AttentionType] = set()
-    for item in _members(value):
-        if isinstance(item, str):
-            item = next((t for t in AttentionType if item.lower() == t.value), item)
-        if not isinstance(item, AttentionType):
-            found.clear()
-            break
-        found.add(item)
-    if not found:
-        raise _Rejected("one or more AttentionType members (or their values: "
-                        + ", ".join(t.value for t in AttentionType)
-                        + "), alone or in a set, list or tuple")
-    if isinstance(value, frozenset) and found == set(value):
-        return value
-    return frozenset(found)
+    return _set_of(value, _attention_type, "one or more AttentionType members (or their "
+                   "values: " + ", ".join(t.value for t in AttentionType) + ")")
 
 
 def _flag(value: object) -> bool:
