@@ -22,6 +22,7 @@ taking only ``device``) keep working.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -89,6 +90,19 @@ class LegacyBackendRuntimeError(AttentionError, RuntimeError):
 
 
 # -- the legacy view of each layer, and the configuration legacy code reads ---------------
+
+
+@contextlib.contextmanager
+def _legacy_code(raised: str) -> Iterator[None]:
+    """Around a call into legacy code: this package's errors pass through; any other
+    becomes a :class:`LegacyBackendRuntimeError` ``"<raised> <type>: <message>"`` with the
+    original as ``__cause__``."""
+    try:
+        yield
+    except AttentionError:
+        raise
+    except Exception as exc:
+        raise LegacyBackendRuntimeError(f"{raised} {type(exc).__name__}: {exc}") from exc
 
 
 class _LiveLayers(Mapping[str, LegacyLayer]):
@@ -177,15 +191,9 @@ class _DoKVCacheUpdateWriter:
     def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
               slot_mapping: torch.Tensor, quant: KVQuant) -> None:
         n = slot_mapping.shape[0]
-        try:
+        with _legacy_code(f"legacy backend impl {type(self._impl).__qualname__}"
+                          ".do_kv_cache_update() raised"):
             self._impl.do_kv_cache_update(self._view, key[:n], value[:n], kv_cache, slot_mapping)
-        except AttentionError:
-            raise
-        except Exception as exc:
-            raise LegacyBackendRuntimeError(
-                f"legacy backend impl {type(self._impl).__qualname__}.do_kv_cache_update() "
-                f"raised {type(exc).__name__}: {exc}"
-            ) from exc
 
 
 _IMPL_PARAMS = ("num_heads", "head_size", "scale", "num_kv_heads", "alibi_slopes",
@@ -221,19 +229,14 @@ class AdaptedImplBase(AttentionImpl[LegacyMetadataBox]):
         spelling = backend.legacy_spelling(spec.kv_cache_dtype)
         self.spelling = spelling
         config = _vllm_config(spec, spelling, block_size=16, dtype=torch.get_default_dtype())
-        try:
-            with set_current_vllm_config(config):
-                self.legacy = build_legacy_impl(self.legacy_impl_cls, spec, spelling)
-        except NotImplementedError as exc:
-            raise UnsupportedBackendError(
-                f"{backend.name} cannot run this layer: its impl raised NotImplementedError: "
-                f"{exc}") from exc
-        except AttentionError:
-            raise
-        except Exception as exc:
-            raise LegacyBackendRuntimeError(
-                f"legacy backend {backend.name!r} raised building its impl: "
-                f"{type(exc).__name__}: {exc}") from exc
+        with _legacy_code(f"legacy backend {backend.name!r} raised building its impl:"):
+            try:
+                with set_current_vllm_config(config):
+                    self.legacy = build_legacy_impl(self.legacy_impl_cls, spec, spelling)
+            except NotImplementedError as exc:
+                raise UnsupportedBackendError(
+                    f"{backend.name} cannot run this layer: its impl raised "
+                    f"NotImplementedError: {exc}") from exc
         self._view: LegacyLayer | None = None
         self._weights_processed = False
 
@@ -272,19 +275,12 @@ class AdaptedImplBase(AttentionImpl[LegacyMetadataBox]):
             legacy_meta = attn_metadata.legacy
         else:
             legacy_meta = attn_metadata.with_slot_mapping(ctx.slot_mapping_for(layer.layer_name))
-        try:
+        with _legacy_code(f"legacy backend {self.legacy_backend.name!r} raised in forward():"):
             if self.legacy_backend.accept_output_buffer:
                 result = self.legacy.forward(view, query, key, value, kv_cache, legacy_meta,
                                              output)
             else:
                 result = self.legacy.forward(view, query, key, value, kv_cache, legacy_meta)
-        except AttentionError:
-            raise
-        except Exception as exc:
-            raise LegacyBackendRuntimeError(
-                f"legacy backend {self.legacy_backend.name!r} raised in forward(): "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
         if result is not output and not _into_buffer(result, output):
             self._copy_result(result, output)
         return output
@@ -346,37 +342,25 @@ class AdaptedBuilderBase(AttentionMetadataBuilder[LegacyMetadataBox]):
             cache_dtype.itemsize > 1 else torch.get_default_dtype()
         config = _vllm_config(spec, spelling, block_size=block_size, dtype=model_dtype)
         names = [n for n, v in list(LIVE_LAYERS.items()) if _same_group(v, spec)]
-        try:
-            with set_current_vllm_config(config):
-                if _takes_upstream_args(self.legacy_builder_cls):
-                    kv_spec = FullAttentionSpec(
-                        block_size=block_size, num_kv_heads=spec.num_kv_heads,
-                        head_size=spec.head_size, head_size_v=spec.v_head_size,
-                        dtype=cache_dtype, sliding_window=spec.sliding_window)
-                    builder = self.legacy_builder_cls(kv_spec, names, config, self.device)
-                else:
-                    builder = self.legacy_builder_cls(self.device)
-        except AttentionError:
-            raise
-        except Exception as exc:
-            raise LegacyBackendRuntimeError(
-                f"legacy backend {self.legacy_backend.name!r} raised building its metadata "
-                f"builder: {type(exc).__name__}: {exc}") from exc
+        with (_legacy_code(f"legacy backend {self.legacy_backend.name!r} raised building its "
+                           "metadata builder:"), set_current_vllm_config(config)):
+            if _takes_upstream_args(self.legacy_builder_cls):
+                kv_spec = FullAttentionSpec(
+                    block_size=block_size, num_kv_heads=spec.num_kv_heads,
+                    head_size=spec.head_size, head_size_v=spec.v_head_size,
+                    dtype=cache_dtype, sliding_window=spec.sliding_window)
+                builder = self.legacy_builder_cls(kv_spec, names, config, self.device)
+            else:
+                builder = self.legacy_builder_cls(self.device)
         self._legacy = (block_size, builder, config)
         return builder, config
 
     def build(self, common: CommonAttentionMetadata) -> LegacyMetadataBox:
         builder, config = self._legacy_builder(common.block_size)
         legacy_common = LegacyCommon.from_new(common)
-        try:
-            with set_current_vllm_config(config):
-                meta = builder.build(0, legacy_common)
-        except AttentionError:
-            raise
-        except Exception as exc:
-            raise LegacyBackendRuntimeError(
-                f"legacy backend {self.legacy_backend.name!r} raised in build(): "
-                f"{type(exc).__name__}: {exc}") from exc
+        with (_legacy_code(f"legacy backend {self.legacy_backend.name!r} raised in build():"),
+              set_current_vllm_config(config)):
+            meta = builder.build(0, legacy_common)
         return LegacyMetadataBox(meta)
 
 
