@@ -252,6 +252,7 @@ def test_inductor_failure_falls_back_to_eager_flex(monkeypatch: pytest.MonkeyPat
         raise InductorError("LoweringException: NoValidChoicesError")
 
     monkeypatch.setattr(flex_paged, "_compiled_flex", lambda: failing)
+    monkeypatch.setattr(flex_paged, "_compile_failures", {})
     case = Case(L.SPLIT_BLOCK_INTERLEAVED, "auto", query_lens=(1, 5), context_lens=(20, 0))
     b = build(case, "cpu")
     out = b.new_output()
@@ -265,9 +266,44 @@ def test_inductor_failure_falls_back_to_eager_flex(monkeypatch: pytest.MonkeyPat
         raise ValueError("a real error in the call")
 
     monkeypatch.setattr(flex_paged, "_compiled_flex", lambda: other)
+    flex_paged._compile_failures.clear()  # the failure above is remembered for this config
     with pytest.raises(ValueError, match="real error"):
         flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale,
                              output=b.new_output(), compiled=True)
+
+
+def test_a_config_inductor_cannot_lower_is_not_compiled_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After Inductor failed on a configuration, later calls of it (other sizes included)
+    run eager flex at once, with the same reason, instead of compiling again each step;
+    another configuration still tries the compiled kernel."""
+    from vllm.attention.ops import flex_paged
+
+    class InductorError(RuntimeError):
+        pass
+
+    attempts: list[int] = []
+
+    def failing(*args: object, **kwargs: object) -> torch.Tensor:
+        attempts.append(1)
+        raise InductorError("LoweringException: NoValidChoicesError")
+
+    monkeypatch.setattr(flex_paged, "_compiled_flex", lambda: failing)
+    monkeypatch.setattr(flex_paged, "_compile_failures", {})
+    for case in (Case(L.SPLIT_BLOCK_INTERLEAVED, "auto", query_lens=(1, 5), context_lens=(20, 0)),
+                 Case(L.SPLIT_BLOCK_INTERLEAVED, "auto", query_lens=(3, 2, 7),
+                      context_lens=(9, 40, 1)),
+                 Case(L.SPLIT_BLOCK_INTERLEAVED, "auto", sliding_window=8, query_lens=(1, 5),
+                      context_lens=(20, 0))):
+        b = build(case, "cpu")
+        out = b.new_output()
+        flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
+                             compiled=True, sliding_window=case.sliding_window)
+        assert rel_err(out, b.reference) <= TOLERANCE[case.dtype]
+        run = flex_paged.last_run
+        assert run is not None and not run.compiled
+        assert "NoValidChoicesError" in str(run.eager_reason)
+    assert len(attempts) == 2  # the first call and the windowed one; not the second
 
 
 # -- CUDA: Inductor's kernels ------------------------------------------------------------

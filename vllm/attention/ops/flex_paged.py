@@ -92,6 +92,26 @@ def _compiled_flex() -> Callable[..., Any]:
     return torch.compile(flex_attention, fullgraph=True, dynamic=True)
 
 
+_compile_failures: dict[tuple[Any, ...], str] = {}
+"""Why Inductor could not lower a call, by :func:`_compile_key`: a later call of the
+same key runs eagerly at once instead of compiling (and failing) again every step."""
+
+
+def _compile_key(mode: str, query: torch.Tensor, kv: PagedKV, *, scale: float, causal: bool,
+                 sliding_window: int | None, logits_soft_cap: float | None, tree: bool,
+                 kernel_options: dict[str, Any] | None) -> tuple[Any, ...]:
+    """What a compiled call's graph depends on besides the sizes it takes symbolically."""
+    return (mode, query.dtype, query.shape[1], kv.layout, kv.cache_dtype, kv.num_kv_heads,
+            kv.head_size, kv.head_size_v, kv.block_size, str(kv.device), scale, causal,
+            sliding_window, logits_soft_cap, tree,
+            tuple(sorted((kernel_options or {}).items())))
+
+
+def _failure_reason(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
 def _is_compile_failure(exc: BaseException) -> bool:
     """An Inductor / Dynamo backend failure (not an error in the call itself)."""
     names = {c.__name__ for c in type(exc).__mro__}
@@ -773,12 +793,19 @@ def flex_paged_attention(
             i = int(short[0])
             raise InvalidArgumentError(f"seq_lens[{i}]", int(batch.seq_lens_cpu[i]),
                                        f">= its query length {int(starts[i + 1] - starts[i])}")
+    def key(mode: str) -> tuple[Any, ...]:
+        return _compile_key(mode, query, kv, scale=scale, causal=causal,
+                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                            tree=tree_mask is not None, kernel_options=kernel_options)
+
     reason: str | None = None
     if chosen == "page_table":
         if not use_compile:
             raise InvalidArgumentError("compiled", compiled,
                                        "True (or None on CUDA) for mode='page_table': eager "
                                        "flex_attention scores every slot of the cache")
+        reason = _compile_failures.get(key("page_table"))
+    if chosen == "page_table" and reason is None:
         try:
             out4, idx = _run_page_table(query, kv, batch, scale=scale, causal=causal,
                                         sliding_window=sliding_window,
@@ -787,7 +814,7 @@ def flex_paged_attention(
         except Exception as exc:
             if not _is_compile_failure(exc):
                 raise
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            reason = _compile_failures[key("page_table")] = _failure_reason(exc)
         else:
             rows = out4.transpose(1, 2).reshape(-1, out4.shape[1], out4.shape[3])
             src = rows[:num_tokens] if idx is None else rows.index_select(0, idx)
@@ -795,6 +822,8 @@ def flex_paged_attention(
             last_run = FlexRun("page_table", True)
             return output
     score_mod = _soft_cap_mod(logits_soft_cap)
+    if use_compile and reason is None:
+        reason = _compile_failures.get(key("gather"))
     run_compiled = use_compile and reason is None
     args = dict(scale=scale, causal=causal, sliding_window=sliding_window,
                 score_mod=score_mod, tree_mask=tree_mask, kernel_options=kernel_options)
@@ -806,7 +835,7 @@ def flex_paged_attention(
                 raise
             # Inductor cannot lower every shape (seen on an H200: GQA 8 and a non-causal
             # batch, "NoValidChoicesError"); eager flex_attention computes the same function.
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            reason = _compile_failures[key("gather")] = _failure_reason(exc)
             run_compiled = False
     if not run_compiled:
         out = _run_gather(query, kv, batch, num_tokens, compiled=False, **args)  # type: ignore[arg-type]
