@@ -4,13 +4,15 @@ run, so ratios do not depend on the machine's clocks."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +161,19 @@ def write_json(out: Path, name: str, payload: dict[str, Any]) -> Path:
     path.write_text(json.dumps(payload, indent=1, default=str))
     print(f"wrote {path}")
     return path
+
+
+@contextlib.contextmanager
+def report_text() -> Iterator[io.StringIO]:
+    """Collects what the block prints and prints it once the block ends, so that the
+    same text can also be saved (:func:`write_report`)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        yield buf
+    print(buf.getvalue(), end="")
+
+
+def write_report(out: Path, stem: str, payload: dict[str, Any], text: str) -> None:
+    """``out/stem.json`` (``payload``) and ``out/stem.txt`` (the printed report)."""
+    write_json(out, f"{stem}.json", payload)
+    (out / f"{stem}.txt").write_text(text)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import statistics
 import sys
 import time
@@ -48,7 +47,8 @@ from _timing import (  # noqa: E402
     event_us,
     print_table,
     replay_us,
-    write_json,
+    report_text,
+    write_report,
 )
 
 from vllm.attention import allocate_kv_cache  # noqa: E402
@@ -282,20 +282,16 @@ def main(argv: list[str] | None = None) -> int:
         args.batch, args.context, args.heads = 2, 64, [16]
         print("no CUDA: smoke configuration (2 requests, 64 tokens); numbers are meaningless")
     result = run(args)
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
+    with report_text() as text:
         r = result["rates"]
         print(f"read {r['read_gbps']:.0f} GB/s (copy {r['copy_gbps']:.0f}, sum "
               f"{r['sum_gbps']:.0f}); bf16 matmul {r['matmul_tflops']:.0f} TFLOP/s")
         print_table(result["rows"], COLUMNS)
-    text = buf.getvalue()
-    print(text, end="")
     if args.out is not None:
         info = device_info(torch.device(args.device))
-        write_json(args.out, "mla_decode.json",
-                   {"device": info, "args": {k: str(v) for k, v in vars(args).items()},
-                    **result})
-        (args.out / "mla_decode.txt").write_text(text)
+        write_report(args.out, "mla_decode",
+                     {"device": info, "args": {k: str(v) for k, v in vars(args).items()},
+                      **result}, text.getvalue())
     if result["failed"]:
         print("FAILED: the decode kernel is outside the backend's tolerance")
         return 1

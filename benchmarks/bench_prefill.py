@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import math
 import sys
 import time
@@ -56,7 +55,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import copy_ceiling_gbps, device_info, event_us, print_table, write_json  # noqa: E402
+from _timing import (  # noqa: E402
+    copy_ceiling_gbps,
+    device_info,
+    event_us,
+    print_table,
+    report_text,
+    write_report,
+)
 
 from vllm.attention import allocate_kv_cache  # noqa: E402
 from vllm.attention.batch import PagedBatch, make_paged_batch  # noqa: E402
@@ -379,17 +385,14 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     if not args.no_decode:
         rows += bench_decode(args, device, g)
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
+    with report_text() as text:
         print_table(rows, COLUMNS)
-    print(text.getvalue(), end="")
     if args.out is not None:
         meta = device_info(device)
         meta["args"] = {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v)
                         for k, v in vars(args).items()}
         meta["flops_formula"] = "4 * D * Hq * (C * N + N * N / 2) per request"
-        write_json(args.out, "prefill.json", {"meta": meta, "rows": rows})
-        (args.out / "prefill.txt").write_text(text.getvalue())
+        write_report(args.out, "prefill", {"meta": meta, "rows": rows}, text.getvalue())
     bad = [row for row in rows if row.get("rel_err") is not None
            and (not math.isfinite(row["rel_err"]) or row["rel_err"] > 0.05)]
     if bad:

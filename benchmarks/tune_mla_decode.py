@@ -20,8 +20,6 @@ Without CUDA it exits after saying so: the sweep needs a GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import sys
 import time
 from pathlib import Path
@@ -31,7 +29,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import capture, device_info, print_table, replay_us, write_json  # noqa: E402
+from _timing import (  # noqa: E402
+    capture,
+    device_info,
+    print_table,
+    replay_us,
+    report_text,
+    write_report,
+)
 from bench_mla_decode import Step  # noqa: E402
 
 VARIANTS: list[tuple[str, dict[str, Any]]] = [  # name: MLADecodeConfig arguments
@@ -154,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tune_mla_decode needs CUDA; nothing to sweep here")
         return 0
     rows = sweep(args)
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
+    with report_text() as text:
         print_table(rows, COLUMNS)
         for heads in args.heads:
             for cache in args.cache_dtypes:
@@ -165,13 +169,11 @@ def main(argv: list[str] | None = None) -> int:
                     best = min(timed, key=lambda r: r["us"])
                     print(f"best N={heads} {cache}: {best['variant']} splits={best['splits']} "
                           f"{best['us']:.1f} us ({best['vs_default']:.3f} x the default's speed)")
-    text = buf.getvalue()
-    print(text, end="")
     if args.out is not None:
-        write_json(args.out, "tune_mla_decode.json",
-                   {"device": device_info(torch.device("cuda")),
-                    "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
-        (args.out / "tune_mla_decode.txt").write_text(text)
+        write_report(args.out, "tune_mla_decode",
+                     {"device": device_info(torch.device("cuda")),
+                      "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
+                     text.getvalue())
     return 0
 
 

@@ -22,8 +22,6 @@ launch ``choose_config`` picks today marked ``default``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import itertools
 import sys
 import time
@@ -34,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import device_info, event_us, print_table, write_json  # noqa: E402
+from _timing import device_info, event_us, print_table, report_text, write_report  # noqa: E402
 from bench_prefill import Shape, baselines  # noqa: E402
 
 from vllm.attention import KVQuant  # noqa: E402
@@ -334,20 +332,17 @@ def main(argv: list[str] | None = None) -> int:
     ranked = sorted((row for row in rows if row.get("ratio") is not None
                      and row["variant"].startswith(prefix)),
                     key=lambda row: (row["shape"], -row["ratio"]))
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
+    with report_text() as text:
         print("all variants, in the order run:")
         print_table(rows, COLUMNS)
         print(f"\n{prefix} variants, best first per shape:")
         print_table(ranked, COLUMNS)
-    print(text.getvalue(), end="")
     if args.out is not None:
         meta = device_info(device)
         meta["args"] = {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v)
                         for k, v in vars(args).items()}
         stem = "tune_flex" if args.flex else "tune_prefill"
-        write_json(args.out, f"{stem}.json", {"meta": meta, "rows": rows})
-        (args.out / f"{stem}.txt").write_text(text.getvalue())
+        write_report(args.out, stem, {"meta": meta, "rows": rows}, text.getvalue())
     return 0
 
 
