@@ -262,14 +262,20 @@ COLUMNS = [("heads", "N", "d"), ("cache", "cache", ""), ("what", "what", ""),
            ("memory_us", "byte us", ".1f"), ("rel_err", "err", ".1e")]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=None)
+def add_shape_options(p: argparse.ArgumentParser) -> None:
+    """The steps' shape options (batch, context, head counts, cache dtypes), shared with
+    tune_mla_decode.py so that it sweeps at this benchmark's shapes."""
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--heads", type=int, nargs="+", default=[128, 16])
     p.add_argument("--cache-dtypes", nargs="+", default=["auto", "fp8"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None)
+    add_shape_options(p)
     p.add_argument("--backends", nargs="+", default=["TRITON_MLA", "FLASHMLA"])
     p.add_argument("--replays", type=int, default=100)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

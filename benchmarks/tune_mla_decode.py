@@ -37,7 +37,7 @@ from _timing import (  # noqa: E402
     report_text,
     write_report,
 )
-from bench_mla_decode import Step  # noqa: E402
+from bench_mla_decode import Step, add_shape_options  # noqa: E402
 
 VARIANTS: list[tuple[str, dict[str, Any]]] = [  # name: MLADecodeConfig arguments
     # the sm_90 default: the score warps split the keys, one [., 512] latent operand
@@ -145,10 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--heads", type=int, nargs="+", default=[128, 16])
-    p.add_argument("--cache-dtypes", nargs="+", default=["auto", "fp8"])
+    add_shape_options(p)
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--budget", type=float, default=150.0,
                    help="seconds for the sweep, shared equally by the shapes")
