@@ -3,7 +3,7 @@ the backend, its impl, its metadata builder and its metadata."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,6 +119,15 @@ class ModuleInfo:
                 current, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
             current = self.parent(current)
         return current if current is not None else node
+
+    def within(self, node: cst.CSTNode, nodes: Container[cst.CSTNode]) -> bool:
+        """Whether ``node`` or a node that holds it is one of ``nodes``."""
+        current: cst.CSTNode | None = node
+        while current is not None:
+            if current in nodes:
+                return True
+            current = self.parent(current)
+        return False
 
     def column(self, node: cst.CSTNode) -> int:
         """The column ``node`` starts at (0 when unknown)."""
@@ -300,6 +309,72 @@ def params(fn: cst.FunctionDef) -> list[cst.Param]:
     """Positional parameters (``self``/``cls`` included) followed by keyword-only ones."""
     p = fn.params
     return [*p.posonly_params, *p.params, *p.kwonly_params]
+
+
+def target_names(target: cst.BaseExpression) -> list[cst.Name]:
+    """The names an assignment or ``for`` target binds: ``a``, ``a, [b, c]`` (not
+    ``x.a`` or ``x[i]``)."""
+    if isinstance(target, cst.Name):
+        return [target]
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [n for el in target.elements for n in target_names(el.value)]
+    return []
+
+
+def names_in(node: cst.CSTNode) -> set[str]:
+    """Every name ``node`` mentions but the attribute of ``x.attr``."""
+    found: set[str] = set()
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Name(self, n: cst.Name) -> None:
+            found.add(n.value)
+
+        def visit_Attribute(self, n: cst.Attribute) -> bool:
+            n.value.visit(self)
+            return False
+
+    node.visit(Visitor())
+    return found
+
+
+def name_loads(node: cst.CSTNode, names: Container[str],
+               skip: Callable[[cst.CSTNode], bool] | None = None) -> list[cst.Name]:
+    """The ``Name`` nodes of ``node`` that read one of ``names``: not the attribute of
+    ``x.attr`` nor the keyword of ``f(keyword=x)``, and nothing inside a node ``skip``
+    picks."""
+    found: list[cst.Name] = []
+
+    class Visitor(cst.CSTVisitor):
+        def on_visit(self, n: cst.CSTNode) -> bool:
+            if skip is not None and skip(n):
+                return False
+            if isinstance(n, (cst.Attribute, cst.Arg)):
+                n.value.visit(self)
+                return False
+            if isinstance(n, cst.Name) and n.value in names:
+                found.append(n)
+            return True
+
+    node.visit(Visitor())
+    return found
+
+
+def reads_attribute(node: cst.CSTNode, attr: str,
+                    skip: Callable[[cst.CSTNode], bool]) -> bool:
+    """Whether ``node`` reads ``<x>.attr`` outside the nodes ``skip`` picks."""
+    found = False
+
+    class Visitor(cst.CSTVisitor):
+        def on_visit(self, n: cst.CSTNode) -> bool:
+            nonlocal found
+            if found or skip(n):
+                return False
+            if isinstance(n, cst.Attribute) and n.attr.value == attr:
+                found = True
+            return True
+
+    node.visit(Visitor())
+    return found
 
 
 @dataclass

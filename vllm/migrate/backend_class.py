@@ -15,6 +15,7 @@ from vllm.migrate.analysis import (
     Pieces,
     class_body,
     is_docstring,
+    reads_attribute,
     single_return,
 )
 from vllm.migrate.declarations import CONSUMED, Declarations, size_spec_code, sorted_dtypes
@@ -118,20 +119,9 @@ def _piece_methods(info: ModuleInfo, p: Pieces, only: frozenset[str] | None = No
 
 
 def _referenced_elsewhere(plan: Plan, cls: ClassInfo, attr: str) -> bool:
-    found = False
-    definition = cls.methods.get(attr) or cls.attr_lines.get(attr)
-
-    class Visitor(cst.CSTVisitor):
-        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-            return node is not definition
-
-        def visit_Attribute(self, node: cst.Attribute) -> None:
-            nonlocal found
-            if node.attr.value == attr:
-                found = True
-
-    plan.info.module.visit(Visitor())
-    return found
+    """Whether the module reads ``<x>.attr`` outside ``cls``'s method of that name."""
+    method = cls.methods.get(attr)
+    return reads_attribute(plan.info.module, attr, lambda node: node is method)
 
 
 def rewrite_backend(plan: Plan, pieces: Pieces, decl: Declarations, layout_note: str | None,

@@ -13,11 +13,14 @@ from vllm.migrate.analysis import (
     dotted,
     function_body,
     is_docstring,
+    name_loads,
+    names_in,
     params,
+    target_names,
     unset_self_reads,
 )
 from vllm.migrate.declarations import Declarations
-from vllm.migrate.metadata import _names, _set_base, body_with, with_signature
+from vllm.migrate.metadata import _set_base, body_with, with_signature
 from vllm.migrate.plan import Plan, expression, statements_from
 from vllm.migrate.writes import WriteFinding
 
@@ -109,7 +112,7 @@ def _rewrite_init(plan: Plan, cls: ClassInfo, init: cst.FunctionDef, decl: Decla
     ps = params(init)[1:]
     positional = [p for p in ps if p not in init.params.kwonly_params]
     supers = [s for s in function_body(init) if plan.code(s).startswith("super().__init__(")]
-    used = set().union(*(_names(s) for s in function_body(init) if s not in supers))
+    used = set().union(*(names_in(s) for s in function_body(init) if s not in supers))
     assigned = _assigned_names(init)
     bindings: list[str] = []
     inline: dict[str, str] = {}
@@ -132,7 +135,9 @@ def _rewrite_init(plan: Plan, cls: ClassInfo, init: cst.FunctionDef, decl: Decla
         ann = info.module.code_for_node(p.annotation.annotation) if p.annotation else None
         bindings.append(f"        {name}: {ann} = {value}\n" if ann else
                         f"        {name} = {value}\n")
-    for node in _loads(init.body, set(inline)):
+    # a nested def or lambda binds its own names
+    nested = (cst.FunctionDef, cst.Lambda)
+    for node in name_loads(init.body, inline, skip=lambda n: isinstance(n, nested)):
         plan.replace(node, expression(inline[node.value]))
     for star in (init.params.star_arg, init.params.star_kwarg):
         if isinstance(star, cst.Param) and star.name.value in used:
@@ -163,55 +168,12 @@ def _assigned_names(fn: cst.FunctionDef) -> set[str]:
     found: set[str] = set()
 
     class Visitor(cst.CSTVisitor):
-        def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-            found.update(n.value for n in _flat_names(node.target))
-
-        def visit_AugAssign(self, node: cst.AugAssign) -> None:
-            found.update(n.value for n in _flat_names(node.target))
-
-        def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-            found.update(n.value for n in _flat_names(node.target))
-
-        def visit_For(self, node: cst.For) -> None:
-            found.update(n.value for n in _flat_names(node.target))
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if isinstance(node, (cst.AssignTarget, cst.AugAssign, cst.AnnAssign, cst.For)):
+                found.update(n.value for n in target_names(node.target))
+            return True
 
     fn.body.visit(Visitor())
-    return found
-
-
-def _flat_names(target: cst.BaseExpression) -> list[cst.Name]:
-    if isinstance(target, cst.Name):
-        return [target]
-    if isinstance(target, (cst.Tuple, cst.List)):
-        return [n for el in target.elements for n in _flat_names(el.value)]
-    return []
-
-
-def _loads(node: cst.CSTNode, names: set[str]) -> list[cst.Name]:
-    """The ``Name`` nodes of ``node`` that read one of ``names`` (not attribute or keyword
-    names)."""
-    found: list[cst.Name] = []
-
-    class Visitor(cst.CSTVisitor):
-        def visit_Name(self, n: cst.Name) -> None:
-            if n.value in names:
-                found.append(n)
-
-        def visit_Attribute(self, n: cst.Attribute) -> bool:
-            n.value.visit(self)
-            return False
-
-        def visit_Arg(self, n: cst.Arg) -> bool:
-            n.value.visit(self)
-            return False
-
-        def visit_FunctionDef(self, n: cst.FunctionDef) -> bool:
-            return False
-
-        def visit_Lambda(self, n: cst.Lambda) -> bool:
-            return False
-
-    node.visit(Visitor())
     return found
 
 
@@ -225,7 +187,7 @@ def _rewrite_forward(plan: Plan, fn: cst.FunctionDef, meta: str,
                   "kv_cache, attn_metadata)", "write forward(self, layer, query, key, value, "
                   "kv_cache, attn_metadata, output) -> torch.Tensor")
         return
-    used = _names(fn.body)
+    used = names_in(fn.body)
     added_output = len(ps) == 6
     out = "output" if "output" not in used else "output_buffer"
     kept = names[:7] if not added_output else [*names[:6], out]
@@ -365,32 +327,10 @@ def _key_value_uses(plan: Plan, fn: cst.FunctionDef, names: list[str],
     """Statements that use ``key`` / ``value`` beyond a None check: the new API passes
     None for cross-attention after its first step, where upstream's type said Tensor."""
     info = plan.info
-    uses: list[cst.Name] = []
-
-    class Visitor(cst.CSTVisitor):
-        def visit_Comparison(self, node: cst.Comparison) -> bool:
-            none = all(isinstance(c.comparator, cst.Name) and c.comparator.value == "None"
-                       and isinstance(c.operator, (cst.Is, cst.IsNot)) for c in node.comparisons)
-            return not (none and isinstance(node.left, cst.Name))
-
-        def visit_Attribute(self, node: cst.Attribute) -> bool:
-            node.value.visit(self)
-            return False
-
-        def visit_Arg(self, node: cst.Arg) -> bool:
-            node.value.visit(self)
-            return False
-
-        def visit_Name(self, node: cst.Name) -> None:
-            if node.value in names:
-                uses.append(node)
-
-    fn.body.visit(Visitor())
     marked: set[cst.CSTNode] = set()
-    for use in uses:
+    for use in name_loads(fn.body, names, skip=_none_check):
         stmt = info.statement_of(use)
-        if stmt in removed or stmt in marked or any(
-                stmt in _nested(r) for r in removed):
+        if stmt in marked or info.within(stmt, removed):
             continue
         marked.add(stmt)
         plan.mark(stmt, f"uses {' / '.join(names)}, which the new forward() gets as None "
@@ -398,15 +338,11 @@ def _key_value_uses(plan: Plan, fn: cst.FunctionDef, names: list[str],
                   f"check {' and '.join(names)} for None before this use")
 
 
-def _nested(node: cst.CSTNode) -> set[cst.CSTNode]:
-    found: set[cst.CSTNode] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        for child in current.children:
-            found.add(child)
-            stack.append(child)
-    return found
+def _none_check(node: cst.CSTNode) -> bool:
+    """``name is None`` / ``name is not None`` (chained alike)."""
+    return isinstance(node, cst.Comparison) and isinstance(node.left, cst.Name) and all(
+        isinstance(c.comparator, cst.Name) and c.comparator.value == "None"
+        and isinstance(c.operator, (cst.Is, cst.IsNot)) for c in node.comparisons)
 
 
 def _legacy_state(plan: Plan, cls: ClassInfo) -> None:

@@ -8,8 +8,19 @@ from typing import Final
 
 import libcst as cst
 
-from vllm.migrate.analysis import ClassInfo, ModuleInfo, class_body, dotted, function_body, \
-    is_docstring, params, unset_self_reads
+from vllm.migrate.analysis import (
+    ClassInfo,
+    ModuleInfo,
+    class_body,
+    dotted,
+    function_body,
+    is_docstring,
+    name_loads,
+    names_in,
+    params,
+    reads_attribute,
+    unset_self_reads,
+)
 from vllm.migrate.plan import Plan, expression, method_from, statements_from
 
 COMMON_RENAMED: Final = {"block_table_tensor": "block_table"}
@@ -251,23 +262,13 @@ def _builder_state(plan: Plan, cls: ClassInfo) -> None:
 
 def _referenced(info: ModuleInfo, attr: str, definition: cst.CSTNode) -> bool:
     """Whether the module reads ``<x>.attr`` anywhere outside ``definition``."""
-    found = False
 
-    class Visitor(cst.CSTVisitor):
-        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-            # the legacy hooks go with the migration: what only they read goes too
-            return node is not definition and node.name.value not in BUILDER_HOOKS
+    def skip(node: cst.CSTNode) -> bool:
+        # the legacy hooks go with the migration: what only they read goes too
+        return node is definition or (isinstance(node, cst.FunctionDef)
+                                      and node.name.value in BUILDER_HOOKS)
 
-        def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool:
-            return node is not definition
-
-        def visit_Attribute(self, node: cst.Attribute) -> None:
-            nonlocal found
-            if node.attr.value == attr:
-                found = True
-
-    info.module.visit(Visitor())
-    return found
+    return reads_attribute(info.module, attr, skip)
 
 
 def _signature(name: str, args: list[str], returns: str) -> str:
@@ -322,7 +323,7 @@ def _rewrite_builder_init(plan: Plan, cls: ClassInfo, init: cst.FunctionDef) -> 
     for stmt in rest:
         if stmt in dropped:
             continue
-        used = _names(stmt) & set(extra)
+        used = names_in(stmt) & set(extra)
         if used:
             plan.mark(stmt, f"reads {', '.join(sorted(used))}, which the new builder is not "
                       "given", "compute it from self.spec (AttentionLayerSpec) or per step "
@@ -338,21 +339,6 @@ def _rewrite_builder_init(plan: Plan, cls: ClassInfo, init: cst.FunctionDef) -> 
     if extra:
         plan.notes.append(f"{cls.name}.__init__ takes (spec, device) instead of "
                           f"({', '.join(ps)})")
-
-
-def _names(node: cst.CSTNode) -> set[str]:
-    found: set[str] = set()
-
-    class Visitor(cst.CSTVisitor):
-        def visit_Name(self, n: cst.Name) -> None:
-            found.add(n.value)
-
-        def visit_Attribute(self, n: cst.Attribute) -> bool:
-            n.value.visit(self)
-            return False
-
-    node.visit(Visitor())
-    return found
 
 
 def _rewrite_build(plan: Plan, build: cst.FunctionDef, meta: str) -> None:
@@ -374,7 +360,7 @@ def _rewrite_build(plan: Plan, build: cst.FunctionDef, meta: str) -> None:
                     and small.value.value == common:
                 aliases.add(small.targets[0].target.value)
     _rewrite_common_reads(plan, build, aliases)
-    used = _names(build.body)
+    used = names_in(build.body)
     bindings = []
     legacy_values = {0: "0"}  # common_prefix_len: the adapter passes 0; fast_build False
     for i, p in enumerate(others):
@@ -460,26 +446,9 @@ def _assigned_local(stmt: cst.CSTNode, value: cst.CSTNode) -> str | None:
 
 
 def _name_loads(fn: cst.FunctionDef, name: str) -> list[cst.Name]:
-    found: list[cst.Name] = []
-
-    class Visitor(cst.CSTVisitor):
-        def visit_AssignTarget(self, node: cst.AssignTarget) -> bool:
-            return not isinstance(node.target, cst.Name)
-
-        def visit_Attribute(self, node: cst.Attribute) -> bool:
-            node.value.visit(self)
-            return False
-
-        def visit_Arg(self, node: cst.Arg) -> bool:
-            node.value.visit(self)
-            return False
-
-        def visit_Name(self, node: cst.Name) -> None:
-            if node.value == name:
-                found.append(node)
-
-    fn.body.visit(Visitor())
-    return found
+    """The reads of ``name`` in ``fn`` (not its assignments)."""
+    return name_loads(fn.body, {name}, skip=lambda node: isinstance(node, cst.AssignTarget)
+                      and isinstance(node.target, cst.Name))
 
 
 def _is_slot_argument(info: ModuleInfo, node: cst.CSTNode) -> bool:

@@ -17,7 +17,7 @@ from typing import Final
 
 import libcst as cst
 
-from vllm.migrate.analysis import ModuleInfo, dotted
+from vllm.migrate.analysis import ModuleInfo, dotted, target_names
 
 WRITE_OPS: Final = {
     "reshape_and_cache_flash": "split",
@@ -150,9 +150,6 @@ class _Names(cst.CSTVisitor):
         node.value.visit(self)
         return False
 
-    def visit_Lambda(self, node: cst.Lambda) -> bool:
-        return True
-
 
 def _scan(node: cst.CSTNode) -> _Names:
     v = _Names()
@@ -211,7 +208,7 @@ class _Analysis:
             for t, v in zip(target.elements, value.elements):
                 changed |= self._bind(t.value, v.value, self.taints(v.value))
             return changed
-        names = [n.value for n in _target_names(target)]
+        names = [n.value for n in target_names(target)]
         view = value is not None and self.cache_view(value)
         for n in names:
             if view and n not in self.aliases:
@@ -332,7 +329,7 @@ class _Analysis:
                     for t in small.targets:
                         if not all(isinstance(n, cst.Name) for n in _flat(t.target)):
                             return False
-                        defs |= {n.value for n in _target_names(t.target)}
+                        defs |= {n.value for n in target_names(t.target)}
                 elif isinstance(small, cst.AnnAssign) and isinstance(small.target, cst.Name):
                     defs.add(small.target.value)
                 else:
@@ -350,7 +347,7 @@ class _Analysis:
                 return False
             heads = _headers(unit)
             if isinstance(unit, cst.For):
-                defs = {n.value for n in _target_names(unit.target)}
+                defs = {n.value for n in target_names(unit.target)}
                 if self._reads_outside(defs, removed | {unit}, unit):
                     return False
             return all(self.taints(h) or self._pure(h) for h in heads)
@@ -372,10 +369,6 @@ def _flat(target: cst.BaseExpression) -> list[cst.BaseExpression]:
     if isinstance(target, (cst.Tuple, cst.List)):
         return [x for el in target.elements for x in _flat(el.value)]
     return [target]
-
-
-def _target_names(target: cst.BaseExpression) -> list[cst.Name]:
-    return [t for t in _flat(target) if isinstance(t, cst.Name)]
 
 
 def _reads(node: cst.CSTNode) -> set[str]:
