@@ -179,19 +179,25 @@ class Step:
             "project": lambda: proj.project_output(o_lat, out=out3),
         }
 
-    def check(self, requests: int = 4) -> float:
-        """Relative error of the Triton decode on the first ``requests`` requests'
-        tokens against float64 (the torch path in float64 arithmetic)."""
+    def float64_reference(self, requests: int = 4) -> tuple[int, torch.Tensor]:
+        """The decode output of the first ``requests`` requests' tokens from the torch
+        path in float64 arithmetic, and how many rows (tokens) that is."""
         from vllm.attention.ops.mla_attention import mla_decode_torch
 
         m = self.meta
         groups = m.decode_groups[:requests]
         rows = groups[-1].rows.stop
-        out = self.kernel(per_row=False)()[:rows]
         fmt = self.layer.impl.latent_format(self.layer, torch.bfloat16)  # type: ignore[attr-defined]
         ref = mla_decode_torch(self.latent_query()[:rows], self.cache, m.block_table, groups,
                                fmt, scale=self.spec.scale, dtype=torch.float64)
-        return float((out.double() - ref).norm() / ref.norm())
+        return rows, ref
+
+    def check(self, requests: int = 4) -> float:
+        """Relative error of the Triton decode on the first ``requests`` requests'
+        tokens against float64 (:meth:`float64_reference`)."""
+        out = self.kernel(per_row=False)()
+        rows, ref = self.float64_reference(requests)
+        return float((out[:rows].double() - ref).norm() / ref.norm())
 
     def roofline(self, rates: dict[str, float]) -> dict[str, float]:
         b, n, s = self.q.shape[0], self.spec.num_heads, self.context

@@ -77,8 +77,6 @@ variants instead)."""
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     from vllm.attention.ops.triton_mla_decode import MLADecodeConfig, mla_decode_mma
 
-    from vllm.attention.ops.mla_attention import mla_decode_torch
-
     device = torch.device("cuda")
     rows: list[dict[str, Any]] = []
     share = args.budget / (len(args.heads) * len(args.cache_dtypes))
@@ -101,10 +99,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                                       max_seq_len=m.max_decode_seq_len, config=cfg,
                                       num_splits=splits, out_dtype=torch.bfloat16)
 
-            groups = m.decode_groups[:4]
-            n_ref = groups[-1].rows.stop
-            ref = mla_decode_torch(q_lat[:n_ref], step.cache, m.block_table, groups, fmt,
-                                   scale=step.spec.scale, dtype=torch.float64)
+            n_ref, ref = step.float64_reference(4)
 
             def error(out: torch.Tensor) -> float:
                 return float((out[:n_ref].double() - ref).norm() / ref.norm())
