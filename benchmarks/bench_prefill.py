@@ -90,6 +90,25 @@ def _importable(name: str) -> bool:
     return True
 
 
+def add_shape_options(p: argparse.ArgumentParser) -> None:
+    """The prefill targets' options (read by :func:`target_shapes` and :class:`Shape`),
+    shared with tune_prefill.py so that it tunes at this benchmark's shapes."""
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=2048)
+    p.add_argument("--cached-tokens", type=int, default=2048, help="chunked prefill's context")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+
+
+def target_shapes(args: argparse.Namespace) -> list[tuple[str, list[int], list[int]]]:
+    """The two targets, ``fresh`` prefill and ``chunked`` prefill after
+    ``--cached-tokens`` of context, as ``(name, cached tokens, new tokens)`` per request."""
+    r, n, c = args.requests, args.new_tokens, args.cached_tokens
+    return [(f"fresh {r}x{n}", [0] * r, [n] * r), (f"chunked {r}x({c}+{n})", [c] * r, [n] * r)]
+
+
 class Shape:
     """One batch: requests' cached and new token counts, the tensors of the step."""
 
@@ -351,13 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="directory for prefill.json/.txt")
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=2048)
-    p.add_argument("--cached-tokens", type=int, default=2048, help="chunked prefill's context")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    add_shape_options(p)
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS))
     p.add_argument("--decode-batch", type=int, default=64)
@@ -375,10 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         args.decode_batch, args.decode_context, args.iters, args.warmup = 3, 50, 2, 1
     args.torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     g = torch.Generator().manual_seed(0)
-    r, n, c = args.requests, args.new_tokens, args.cached_tokens
     rows: list[dict[str, Any]] = []
-    for name, ctx in ((f"fresh {r}x{n}", [0] * r), (f"chunked {r}x({c}+{n})", [c] * r)):
-        shape = Shape(name, ctx, [n] * r, args, device, g)
+    for name, ctx, new in target_shapes(args):
+        shape = Shape(name, ctx, new, args, device, g)
         rows += bench_prefill_shape(shape, args, device)
         del shape
         if device.type == "cuda":

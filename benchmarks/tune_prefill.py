@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import device_info, event_us, print_table, report_text, write_report  # noqa: E402
-from bench_prefill import Shape, baselines  # noqa: E402
+from bench_prefill import Shape, add_shape_options, baselines, target_shapes  # noqa: E402
 
 from vllm.attention import KVQuant  # noqa: E402
 from vllm.attention.layouts import kv_cache_shape  # noqa: E402
@@ -297,13 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=2048)
-    p.add_argument("--cached-tokens", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    add_shape_options(p)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--budget", type=float, default=150.0, help="seconds before skipping variants")
     p.add_argument("--flex", action="store_true",
@@ -319,9 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     args.torch_dtype = torch.bfloat16
     deadline = time.monotonic() + args.budget
     g = torch.Generator().manual_seed(0)
-    r, n, c = args.requests, args.new_tokens, args.cached_tokens
-    shapes = [Shape(f"fresh {r}x{n}", [0] * r, [n] * r, args, device, g),
-              Shape(f"chunked {r}x({c}+{n})", [c] * r, [n] * r, args, device, g)]
+    shapes = [Shape(name, ctx, new, args, device, g) for name, ctx, new in target_shapes(args)]
     if args.flex:
         rows = sweep_flex_decode(args, device, deadline)
         rows += sweep_flex(shapes, args, device, deadline)
