@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 import libcst as cst
 
@@ -61,6 +61,15 @@ DECLARATION_OF: Final = {
     "get_supported_kernel_block_sizes": "block_sizes", "get_kv_cache_shape": "block_sizes",
     "supports_attn_type": "attention_types",
 }
+"""Each legacy method or class list and the declaration it is read into."""
+
+SOURCES_OF: Final = {
+    declaration: frozenset(s for s, d in DECLARATION_OF.items() if d == declaration)
+    for declaration in dict.fromkeys(DECLARATION_OF.values())
+}
+"""Each declaration and the legacy methods or class lists it is read from."""
+
+T = TypeVar("T")
 
 IMPL_DEFAULTS: Final[dict[str, object]] = {
     "num_heads": 8, "head_size": 64, "scale": 0.125, "num_kv_heads": 2, "alibi_slopes": None,
@@ -136,6 +145,20 @@ class _Reader:
     def give_up(self, source: str) -> None:
         self.unresolved[source] = DECLARATION_OF.get(source, source)
 
+    def _admitted(self, predicate: str, candidates: Iterable[T],
+                  arg: Callable[[T], object] | None = None) -> list[T] | None:
+        """The candidates the legacy ``predicate`` admits (called with ``arg`` of each,
+        else the candidate itself); None when an answer is not literal."""
+        found = []
+        for c in candidates:
+            ok = self.method(predicate, c if arg is None else arg(c))
+            if not isinstance(ok, bool):
+                self.give_up(predicate)
+                return None
+            if ok:
+                found.append(c)
+        return found
+
     # -- each declaration ---------------------------------------------------------------
     def name(self) -> str | None:
         value = self.method("get_name")
@@ -154,15 +177,7 @@ class _Reader:
 
     def _dtype_list(self) -> list[str] | None:
         if "supports_dtype" in self.methods:
-            found = []
-            for d in FLOAT_DTYPES:
-                ok = self.method("supports_dtype", TorchDType(d))
-                if not isinstance(ok, bool):
-                    self.give_up("supports_dtype")
-                    return None
-                if ok:
-                    found.append(d)
-            return found
+            return self._admitted("supports_dtype", FLOAT_DTYPES, TorchDType)
         for source in ("get_supported_dtypes", "supported_dtypes"):
             value = self.method(source) if source.startswith("get_") else self.attr(source)
             if value is None:
@@ -186,17 +201,8 @@ class _Reader:
         return tuple(found)
 
     def _cache_dtype_list(self) -> list[str] | None:
-        local = self.backend.methods.get("supports_kv_cache_dtype")
-        if local is not None:
-            found = []
-            for s in SPELLINGS:
-                ok = self.method("supports_kv_cache_dtype", s)
-                if not isinstance(ok, bool):
-                    self.give_up("supports_kv_cache_dtype")
-                    return None
-                if ok:
-                    found.append(s)
-            return found
+        if "supports_kv_cache_dtype" in self.backend.methods:
+            return self._admitted("supports_kv_cache_dtype", SPELLINGS)
         for source in ("get_supported_kv_cache_dtypes", "supported_kv_cache_dtypes"):
             value = self.method(source) if source.startswith("get_") else self.attr(source)
             if value is None:
@@ -225,22 +231,16 @@ class _Reader:
 
     def _probe(self, method: str, limit: int,
                also: Callable[[int], bool | None] | None = None) -> SizeSpec | None:
-        unknown = False
+        """The sizes the legacy predicate ``method`` (and ``also``) admits."""
 
-        def admits(n: int) -> bool:
-            nonlocal unknown
+        def admits(n: int) -> bool | None:
             ok = self.method(method, n)
             more = True if also is None else also(n)
             if not isinstance(ok, bool) or more is None:
-                unknown = True
-                return False
+                return None
             return ok and more
 
-        spec = probe_sizes(admits, limit)
-        if unknown:
-            self.give_up(method)
-            return None
-        return spec
+        return self._probe_fn(admits, method, limit)
 
     def _shape_accepts(self, n: int) -> bool | None:
         fn = self.methods.get("get_kv_cache_shape")
@@ -262,7 +262,7 @@ class _Reader:
         if not self.upstream_base:
             if exact:
                 return exactly(*(int(v) for v in exact))
-            return self._shape_probe()
+            return self._probe_fn(self._shape_accepts, "get_kv_cache_shape")
         kernel = self.method("get_supported_kernel_block_sizes")
         if kernel is None:
             kernel = [MultipleOfSize(1)]
@@ -282,10 +282,10 @@ class _Reader:
 
         return self._probe_fn(admits, "get_kv_cache_shape")
 
-    def _shape_probe(self) -> SizeSpec | None:
-        return self._probe_fn(self._shape_accepts, "get_kv_cache_shape")
-
-    def _probe_fn(self, admits: Callable[[int], bool | None], source: str) -> SizeSpec | None:
+    def _probe_fn(self, admits: Callable[[int], bool | None], source: str,
+                  limit: int = BLOCK_LIMIT) -> SizeSpec | None:
+        """The sizes ``admits`` admits; None, giving ``source`` up, where it does not
+        know (None) for one of them."""
         unknown = False
 
         def known(n: int) -> bool:
@@ -296,7 +296,7 @@ class _Reader:
                 return False
             return ok
 
-        spec = probe_sizes(known, BLOCK_LIMIT)
+        spec = probe_sizes(known, limit)
         if unknown:
             self.give_up(source)
             return None
@@ -305,19 +305,11 @@ class _Reader:
     def attention_types(self) -> tuple[AttentionType, ...] | None:
         if "supports_attn_type" not in self.methods:
             return (AttentionType.DECODER,)
-        found = []
-        for t in AttentionType:
-            if t is AttentionType.ENCODER:
-                # upstream's ENCODER reads this step's K/V and no cache (ENCODER_ONLY
-                # here); this package's ENCODER attends over the paged cache
-                continue
-            ok = self.method("supports_attn_type", t.value)
-            if not isinstance(ok, bool):
-                self.give_up("supports_attn_type")
-                return None
-            if ok:
-                found.append(t)
-        return tuple(found)
+        # upstream's ENCODER reads this step's K/V and no cache (ENCODER_ONLY here); this
+        # package's ENCODER attends over the paged cache
+        types = [t for t in AttentionType if t is not AttentionType.ENCODER]
+        found = self._admitted("supports_attn_type", types, lambda t: t.value)
+        return None if found is None else tuple(found)
 
 
 def _refusal_ifs(fn: cst.FunctionDef) -> list[cst.If]:

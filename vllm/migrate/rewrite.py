@@ -24,7 +24,7 @@ from vllm.migrate.analysis import (
     single_return,
 )
 from vllm.migrate.backend_class import rewrite_backend
-from vllm.migrate.declarations import Declarations, read_declarations
+from vllm.migrate.declarations import SOURCES_OF, Declarations, read_declarations
 from vllm.migrate.impl import rewrite_impl
 from vllm.migrate.imports import ImportRewriter, used_names
 from vllm.migrate.layout import SPLIT_FAMILY, infer_layout
@@ -119,8 +119,8 @@ def _migrate_derived(info: ModuleInfo, backend: ClassInfo, base_info: ModuleInfo
     pieces = Pieces(backend, impl or base_pieces.impl, base_pieces.builder, base_pieces.metadata)
     full = read_declarations(info, pieces, layout)
     sources = set(backend.methods) | set(backend.attrs)
-    decl = Declarations(name=full.name if "get_name" in sources else None, layout=layout)
-    for declaration, legacy in _SOURCES.items():
+    decl = Declarations(name=None, layout=layout)
+    for declaration, legacy in SOURCES_OF.items():
         if sources & legacy:
             setattr(decl, declaration, getattr(full, declaration))
     decl.unresolved = {k: v for k, v in full.unresolved.items() if k in sources}
@@ -156,18 +156,6 @@ def _migrate_derived(info: ModuleInfo, backend: ClassInfo, base_info: ModuleInfo
         manual_steps=manual_steps(code),
         notes=[*plan.notes, f"{backend.name} keeps its base {base.name} "
                f"({base_info.path}), which is migrated on its own"])
-
-
-_SOURCES = {
-    "supported_dtypes": {"get_supported_dtypes", "supports_dtype", "supported_dtypes"},
-    "supported_kv_cache_dtypes": {"get_supported_kv_cache_dtypes", "supports_kv_cache_dtype",
-                                  "supported_kv_cache_dtypes"},
-    "block_sizes": {"get_supported_block_sizes", "supports_block_size",
-                    "get_supported_kernel_block_sizes", "get_kv_cache_shape"},
-    "head_sizes": {"get_supported_head_sizes", "supports_head_size"},
-    "attention_types": {"supports_attn_type"},
-}
-"""Each declaration and the legacy methods or class lists it is read from."""
 
 
 def _local_piece(info: ModuleInfo, backend: ClassInfo, method: str) -> ClassInfo | None:
