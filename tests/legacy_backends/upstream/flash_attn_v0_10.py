@@ -12,7 +12,8 @@ framework (what the builder reads from ``common_attn_metadata`` and ``vllm_confi
 ``forward``, ``flash_attn_varlen_func``'s keywords). The code, docstrings and comments
 are this project's own. The flash-attention kernels and ``_custom_ops`` helpers come from
 :mod:`.kernels` (torch stand-ins with the same signatures), where upstream imports
-``vllm.attention.utils.fa_utils``, ``vllm._custom_ops`` and ``merge_attn_states``.
+``vllm.attention.utils.fa_utils``, ``vllm._custom_ops`` and ``merge_attn_states``; so do
+``use_cascade_attention`` and ``cascade_attention``, which upstream defines in this module.
 
 Left out: the persistent FA3 scheduler buffer for full CUDA graphs (a legacy builder here
 is never captured: ``cudagraph_mode`` is ``NONE``) and the cost model behind
@@ -24,17 +25,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 from tests.legacy_backends.upstream import kernels as ops
 from tests.legacy_backends.upstream.kernels import (
+    cascade_attention,
+    expand_descales,
     flash_attn_supports_fp8,
     flash_attn_varlen_func,
     get_flash_attn_version,
     get_scheduler_metadata,
-    merge_attn_states,
     reshape_and_cache_flash,
+    use_cascade_attention,
 )
 from vllm.attention.backends.abstract import (
     AttentionBackend,
@@ -47,7 +49,6 @@ from vllm.attention.backends.abstract import (
 from vllm.attention.layer import Attention
 from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.logger import init_logger
-from vllm.utils import cdiv
 from vllm.v1.attention.backends.utils import (
     AttentionCGSupport,
     AttentionMetadataBuilder,
@@ -60,8 +61,6 @@ logger = init_logger(__name__)
 
 _NO_WINDOW = (-1, -1)
 _STRIDE_ORDER = {"NHD": (0, 1, 2, 3, 4), "HND": (0, 1, 3, 2, 4)}
-_CASCADE_MIN_PREFIX_TILES = 4  # of 128 keys: a shorter shared prefix is not worth a pass
-_CASCADE_MIN_REQUESTS = 4
 
 
 class FlashAttentionBackend(AttentionBackend):
@@ -318,10 +317,8 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
     def _descales(self, layer: AttentionLayer, num_seqs: int) -> dict[str, Any]:
         """The layer's per-tensor scales broadcast to flash-attn's ``[num_seqs,
         num_kv_heads]`` without copying."""
-        shape = (num_seqs, self.num_kv_heads)
-        return {"q_descale": layer._q_scale.expand(shape),
-                "k_descale": layer._k_scale.expand(shape),
-                "v_descale": layer._v_scale.expand(shape)}
+        return expand_descales(num_seqs, self.num_kv_heads,
+                               layer._q_scale, layer._k_scale, layer._v_scale)
 
     def forward(
         self,
@@ -449,86 +446,3 @@ class FlashAttentionImpl(AttentionImpl[FlashAttentionMetadata]):
         )
         return output
 
-
-def use_cascade_attention(
-    common_prefix_len: int,
-    query_lens: np.ndarray,
-    num_query_heads: int,
-    num_kv_heads: int,
-    use_alibi: bool,
-    use_sliding_window: bool,
-    use_local_attention: bool,
-    num_sms: int,
-) -> bool:
-    """Whether to attend to a prefix shared by the whole batch in a pass of its own.
-
-    Only without ALiBi, a window or local attention (the two passes take none of them),
-    and only for a prefix of several 128-key tiles shared by several requests; upstream
-    also weighs the pass against split-KV decoding, which is not modelled here.
-    """
-    if use_alibi or use_sliding_window or use_local_attention:
-        return False
-    return (cdiv(common_prefix_len, 128) >= _CASCADE_MIN_PREFIX_TILES
-            and len(query_lens) >= _CASCADE_MIN_REQUESTS)
-
-
-def cascade_attention(
-    output: torch.Tensor,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    cu_query_lens: torch.Tensor,
-    max_query_len: int,
-    cu_prefix_query_lens: torch.Tensor,
-    prefix_kv_lens: torch.Tensor,
-    suffix_kv_lens: torch.Tensor,
-    max_kv_len: int,
-    softmax_scale: float,
-    alibi_slopes: torch.Tensor | None,
-    sliding_window: tuple[int, int],
-    logits_soft_cap: float,
-    block_table: torch.Tensor,
-    common_prefix_len: int,
-    fa_version: int,
-    prefix_scheduler_metadata: torch.Tensor | None = None,
-    suffix_scheduler_metadata: torch.Tensor | None = None,
-    q_descale: torch.Tensor | None = None,
-    k_descale: torch.Tensor | None = None,
-    v_descale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention as two passes merged by their log-sum-exps: the whole batch as one
-    query run over the shared prefix (the first request's leading blocks, no mask), then
-    each request over the rest of its keys (causal). ``common_prefix_len`` is a whole
-    number of blocks."""
-    if alibi_slopes is not None or tuple(sliding_window) != _NO_WINDOW:
-        raise NotImplementedError("cascade attention takes neither ALiBi nor a window")
-    block_size = key_cache.shape[1]
-    shared_blocks, partial = divmod(common_prefix_len, block_size)
-    if partial or not shared_blocks:
-        raise ValueError(f"common_prefix_len={common_prefix_len} is not whole blocks of "
-                         f"{block_size}")
-    heads = key_cache.shape[2]
-
-    def descaled(cu: torch.Tensor) -> dict[str, Any]:
-        shape = (cu.shape[0] - 1, heads)
-        return {name: None if s is None else s.expand(shape)
-                for name, s in (("q_descale", q_descale), ("k_descale", k_descale),
-                                ("v_descale", v_descale))}
-
-    shared: dict[str, Any] = dict(softmax_scale=softmax_scale, window_size=sliding_window,
-                                  softcap=logits_soft_cap, return_softmax_lse=True,
-                                  fa_version=fa_version)
-    prefix_out, prefix_lse = flash_attn_varlen_func(
-        q=query, k=key_cache, v=value_cache, cu_seqlens_q=cu_prefix_query_lens,
-        seqused_k=prefix_kv_lens, max_seqlen_q=query.shape[0],
-        max_seqlen_k=common_prefix_len, causal=False, block_table=block_table[:1],
-        scheduler_metadata=prefix_scheduler_metadata, **shared,
-        **descaled(cu_prefix_query_lens))
-    suffix_out, suffix_lse = flash_attn_varlen_func(
-        q=query, k=key_cache, v=value_cache, cu_seqlens_q=cu_query_lens,
-        seqused_k=suffix_kv_lens, max_seqlen_q=max_query_len,
-        max_seqlen_k=max_kv_len - common_prefix_len, causal=True,
-        block_table=block_table[:, shared_blocks:],
-        scheduler_metadata=suffix_scheduler_metadata, **shared, **descaled(cu_query_lens))
-    merge_attn_states(output, prefix_out, prefix_lse, suffix_out, suffix_lse)
-    return output

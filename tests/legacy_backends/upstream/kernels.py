@@ -11,6 +11,9 @@ attention ops, so what such a backend writes and computes is its own.
 ``get_flash_attn_version()`` is 2: the FA2 code paths of those backends run (no AOT
 scheduler metadata, no fp8 cache, no sinks, which upstream enables on FA3 only), and FA2's
 semantics are what :func:`flash_attn_varlen_func` implements.
+
+Upstream defines ``use_cascade_attention`` and ``cascade_attention`` in its FlashAttention
+backend module; the FlashAttention backends here share one copy of each from this module.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import math
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 # -- flash-attention (vllm_flash_attn through fa_utils) ----------------------------------
@@ -164,6 +168,108 @@ def cp_lse_ag_out_rs(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_gr
         raise NotImplementedError("context parallelism has no stand-in here")
     return (cp_attn_out, cp_attn_lse) if return_lse else cp_attn_out
 
+
+# -- cascade attention (upstream: vllm/v1/attention/backends/flash_attn.py) ---------------
+
+_NO_WINDOW = (-1, -1)  # flash-attn's window_size for attention without a sliding window
+_CASCADE_MIN_PREFIX_TILES = 4  # of 128 keys: a shorter shared prefix is not worth a pass
+_CASCADE_MIN_REQUESTS = 4
+
+
+def expand_descales(num_seqs: int, num_kv_heads: int, q_descale: torch.Tensor | None,
+                    k_descale: torch.Tensor | None,
+                    v_descale: torch.Tensor | None) -> dict[str, Any]:
+    """Per-tensor scales broadcast to flash-attn's ``[num_seqs, num_kv_heads]`` without
+    copying, as its ``q_descale`` / ``k_descale`` / ``v_descale`` keywords (None stays)."""
+    shape = (num_seqs, num_kv_heads)
+    return {name: None if s is None else s.expand(shape)
+            for name, s in (("q_descale", q_descale), ("k_descale", k_descale),
+                            ("v_descale", v_descale))}
+
+
+def use_cascade_attention(
+    common_prefix_len: int,
+    query_lens: np.ndarray,
+    num_query_heads: int,
+    num_kv_heads: int,
+    use_alibi: bool,
+    use_sliding_window: bool,
+    use_local_attention: bool,
+    num_sms: int,
+    dcp_world_size: int = 1,
+) -> bool:
+    """Whether to attend to a prefix shared by the whole batch in a pass of its own.
+
+    Only on one context-parallel rank, without ALiBi, a window or local attention (the
+    two passes take none of them), and only for a prefix of several 128-key tiles shared
+    by several requests; upstream also weighs the pass against split-KV decoding, which
+    is not modelled here. (v0.10's signature ends at ``num_sms``.)
+    """
+    if dcp_world_size > 1 or use_alibi or use_sliding_window or use_local_attention:
+        return False
+    return (-(-common_prefix_len // 128) >= _CASCADE_MIN_PREFIX_TILES
+            and len(query_lens) >= _CASCADE_MIN_REQUESTS)
+
+
+def cascade_attention(
+    output: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    max_query_len: int,
+    cu_prefix_query_lens: torch.Tensor,
+    prefix_kv_lens: torch.Tensor,
+    suffix_kv_lens: torch.Tensor,
+    max_kv_len: int,
+    softmax_scale: float,
+    alibi_slopes: torch.Tensor | None,
+    sliding_window: tuple[int, int],
+    logits_soft_cap: float,
+    block_table: torch.Tensor,
+    common_prefix_len: int,
+    fa_version: int,
+    prefix_scheduler_metadata: torch.Tensor | None = None,
+    suffix_scheduler_metadata: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
+    max_num_splits: int = 0,
+) -> torch.Tensor:
+    """Attention as two passes merged by their log-sum-exps: the whole batch as one
+    query run over the shared prefix (the first request's leading blocks, no mask), then
+    each request over the rest of its keys (causal). Sinks (``s_aux``) enter the prefix
+    pass only, so they count once in the merge. ``common_prefix_len`` is a whole number
+    of blocks; both passes split their keys ``max_num_splits`` ways (0: the kernel
+    chooses)."""
+    if alibi_slopes is not None or tuple(sliding_window) != _NO_WINDOW:
+        raise NotImplementedError("cascade attention takes neither ALiBi nor a window")
+    block_size = key_cache.shape[1]
+    shared_blocks, partial = divmod(common_prefix_len, block_size)
+    if partial or not shared_blocks:
+        raise ValueError(f"common_prefix_len={common_prefix_len} is not whole blocks of "
+                         f"{block_size}")
+    heads = key_cache.shape[2]
+    scales = (q_descale, k_descale, v_descale)
+    shared: dict[str, Any] = dict(
+        softmax_scale=softmax_scale, window_size=list(sliding_window), softcap=logits_soft_cap,
+        return_softmax_lse=True, fa_version=fa_version, num_splits=max_num_splits)
+    prefix_out, prefix_lse = flash_attn_varlen_func(
+        q=query, k=key_cache, v=value_cache, cu_seqlens_q=cu_prefix_query_lens,
+        seqused_k=prefix_kv_lens, max_seqlen_q=query.shape[0],
+        max_seqlen_k=common_prefix_len, causal=False, block_table=block_table[:1],
+        scheduler_metadata=prefix_scheduler_metadata, s_aux=s_aux, **shared,
+        **expand_descales(cu_prefix_query_lens.shape[0] - 1, heads, *scales))
+    suffix_out, suffix_lse = flash_attn_varlen_func(
+        q=query, k=key_cache, v=value_cache, cu_seqlens_q=cu_query_lens,
+        seqused_k=suffix_kv_lens, max_seqlen_q=max_query_len,
+        max_seqlen_k=max_kv_len - common_prefix_len, causal=True,
+        block_table=block_table[:, shared_blocks:],
+        scheduler_metadata=suffix_scheduler_metadata, **shared,
+        **expand_descales(cu_query_lens.shape[0] - 1, heads, *scales))
+    merge_attn_states(output, prefix_out, prefix_lse, suffix_out, suffix_lse)
+    return output
 
 # -- vllm._custom_ops ---------------------------------------------------------------------
 
