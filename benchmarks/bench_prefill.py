@@ -78,7 +78,8 @@ def prefill_flops(ctx: list[int], new: list[int], heads: int, d: int) -> float:
     return float(sum(4 * d * heads * (c * n + n * n / 2) for c, n in zip(ctx, new)))
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (Frobenius norms, in float32)."""
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
@@ -107,6 +108,12 @@ def target_shapes(args: argparse.Namespace) -> list[tuple[str, list[int], list[i
     ``--cached-tokens`` of context, as ``(name, cached tokens, new tokens)`` per request."""
     r, n, c = args.requests, args.new_tokens, args.cached_tokens
     return [(f"fresh {r}x{n}", [0] * r, [n] * r), (f"chunked {r}x({c}+{n})", [c] * r, [n] * r)]
+
+
+def run_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's arguments for its JSON record (paths and dtypes as strings)."""
+    return {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v)
+            for k, v in vars(args).items()}
 
 
 class Shape:
@@ -253,7 +260,8 @@ def bench_prefill_shape(shape: Shape, args: argparse.Namespace, device: torch.de
         rows.append(dict(shape=shape.name, impl=name, what="baseline" if i == 0 else "extra",
                          path="-", time_us=t, tflops=shape.flops / t / 1e6,
                          ratio=None if base_us is None else base_us / t,
-                         rel_err=None if ref_out is None or i == 0 else _rel(res, ref_out)))
+                         rel_err=(None if ref_out is None or i == 0
+                                  else relative_error(res, ref_out))))
     runs: list[tuple[str, str | None]] = [(name, None) for name in args.backends]
     if "TRITON_ATTN" in args.backends and device.type == "cuda":
         at = runs.index(("TRITON_ATTN", None)) + 1
@@ -282,7 +290,7 @@ def bench_prefill_shape(shape: Shape, args: argparse.Namespace, device: torch.de
             first_s = time.perf_counter() - t0
             for what, fn in (("layer", step), ("compute", compute)):
                 t = _time(fn, args, device)
-                err = None if ref_out is None else _rel(out, ref_out)
+                err = None if ref_out is None else relative_error(out, ref_out)
                 rows.append(dict(
                     shape=shape.name, impl=label, what=what, path=impl.last_compute_path,
                     time_us=t, tflops=shape.flops / t / 1e6,
@@ -315,7 +323,7 @@ def _op_triton_row(shape: Shape, layer: Attention, meta: Any, out: torch.Tensor,
     return dict(shape=shape.name, impl="op triton kernel", what="compute", path="triton",
                 time_us=t, tflops=shape.flops / t / 1e6,
                 ratio=None if base_us is None else base_us / t,
-                rel_err=None if ref_out is None else _rel(out, ref_out),
+                rel_err=None if ref_out is None else relative_error(out, ref_out),
                 note=f"block_m={cfg.block_m} block_n={cfg.block_n} warps={cfg.num_warps} "
                      f"stages={cfg.num_stages}")
 
@@ -351,7 +359,7 @@ def bench_decode(args: argparse.Namespace, device: torch.device, g: torch.Genera
                 shape=f"decode {b}x{ctx}", impl=name, what="layer", path=impl.last_compute_path,
                 time_us=t, gbps=gbps, read_share=None if copy_gbps is None else gbps / copy_gbps,
                 ratio=None if triton_us is None else triton_us / t,
-                rel_err=None if name == "TRITON_ATTN" else _rel(out, ref),
+                rel_err=None if name == "TRITON_ATTN" else relative_error(out, ref),
                 first_call_s=first_s, note="; ".join(impl.last_fallbacks)))
     if copy_gbps is not None:
         rows.append(dict(shape=f"decode {b}x{ctx}", impl="copy_ (read + write)", what="baseline",
@@ -401,8 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(rows, COLUMNS)
     if args.out is not None:
         meta = device_info(device)
-        meta["args"] = {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v)
-                        for k, v in vars(args).items()}
+        meta["args"] = run_args(args)
         meta["flops_formula"] = "4 * D * Hq * (C * N + N * N / 2) per request"
         write_report(args.out, "prefill", {"meta": meta, "rows": rows}, text.getvalue())
     bad = [row for row in rows if row.get("rel_err") is not None

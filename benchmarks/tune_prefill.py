@@ -33,7 +33,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import device_info, event_us, print_table, report_text, write_report  # noqa: E402
-from bench_prefill import Shape, add_shape_options, baselines, target_shapes  # noqa: E402
+from bench_prefill import (  # noqa: E402
+    Shape,
+    add_shape_options,
+    baselines,
+    relative_error,
+    run_args,
+    target_shapes,
+)
 
 from vllm.attention import KVQuant  # noqa: E402
 from vllm.attention.layouts import kv_cache_shape  # noqa: E402
@@ -65,8 +72,14 @@ def _cache(shape: Shape, args: argparse.Namespace, layout: KVCacheLayout) -> Pag
                               head_size=args.head_size)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+def _timed_baseline(shape: Shape, args: argparse.Namespace, device: torch.device
+                    ) -> tuple[str, torch.Tensor, float]:
+    """What ``shape``'s variants are compared with: the first of its baselines for a
+    fresh shape, the last for a chunked one; its name, output and time."""
+    name, fn = baselines(shape, args, device)[0] if shape.name.startswith("fresh") else \
+        baselines(shape, args, device)[-1]
+    ref = fn()
+    return name, ref, event_us(fn, iters=args.iters, warmup=2, rounds=3, device=device)
 
 
 def sweep_triton(shapes: list[Shape], args: argparse.Namespace, device: torch.device,
@@ -80,10 +93,7 @@ def sweep_triton(shapes: list[Shape], args: argparse.Namespace, device: torch.de
     rows: list[dict[str, Any]] = []
     prepared = []
     for shape in shapes:
-        name, fn = baselines(shape, args, device)[0] if shape.name.startswith("fresh") else \
-            baselines(shape, args, device)[-1]
-        ref = fn()
-        base_us = event_us(fn, iters=args.iters, warmup=2, rounds=3, device=device)
+        name, ref, base_us = _timed_baseline(shape, args, device)
         kv = _cache(shape, args, L.SPLIT_NHD)
         meta = shape.batch.common
         default = choose_config(kv, num_heads=args.heads, num_reqs=meta.num_reqs,
@@ -119,7 +129,7 @@ def sweep_triton(shapes: list[Shape], args: argparse.Namespace, device: torch.de
 
             try:
                 run()
-                err = _rel(out, ref)
+                err = relative_error(out, ref)
                 t = event_us(run, iters=args.iters, warmup=2, rounds=3, device=device)
             except Exception as exc:  # a tile that does not fit: report, keep going
                 rows.append(dict(shape=shape.name, variant=label,
@@ -146,10 +156,7 @@ def sweep_flex(shapes: list[Shape], args: argparse.Namespace, device: torch.devi
 
     rows: list[dict[str, Any]] = []
     for shape in shapes:
-        name, fn = baselines(shape, args, device)[0] if shape.name.startswith("fresh") else \
-            baselines(shape, args, device)[-1]
-        ref = fn()
-        base_us = event_us(fn, iters=args.iters, warmup=2, rounds=3, device=device)
+        _, ref, base_us = _timed_baseline(shape, args, device)
         kv = _cache(shape, args, L.SPLIT_BLOCK_INTERLEAVED)
         for opts in FLEX_OPTIONS:
             if time.monotonic() > deadline:
@@ -170,7 +177,8 @@ def sweep_flex(shapes: list[Shape], args: argparse.Namespace, device: torch.devi
             t = event_us(run, iters=args.iters, warmup=2, rounds=3, device=device)
             rows.append(dict(shape=shape.name, variant=f"flex {opts or 'inductor default'}",
                              time_us=t, tflops=shape.flops / t / 1e6, ratio=base_us / t,
-                             rel_err=_rel(out, ref), note=f"{run_info}; first call {first:.0f} s"))
+                             rel_err=relative_error(out, ref),
+                             note=f"{run_info}; first call {first:.0f} s"))
     return rows
 
 
@@ -274,7 +282,7 @@ def sweep_flex_decode(args: argparse.Namespace, device: torch.device, deadline: 
             info = flex_paged.last_run
             t = event_us(flex, iters=args.iters, warmup=2, rounds=3, device=device)
             host_flex = host_us(flex, device, calls=50, rounds=3)["loop_us"] if not opts else None
-            err = _rel(out, ref)
+            err = relative_error(out, ref)
             rows.append(dict(shape=name, variant=label, time_us=t, gbps=kv_bytes / t / 1e3,
                              ratio=base_us / t, rel_err=err, default=not opts,
                              note=(f"{'' if err <= 2e-2 else 'WRONG: error above 2e-2; '}"
@@ -331,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(ranked, COLUMNS)
     if args.out is not None:
         meta = device_info(device)
-        meta["args"] = {k: (str(v) if isinstance(v, (Path, torch.dtype)) else v)
-                        for k, v in vars(args).items()}
+        meta["args"] = run_args(args)
         stem = "tune_flex" if args.flex else "tune_prefill"
         write_report(args.out, stem, {"meta": meta, "rows": rows}, text.getvalue())
     return 0
