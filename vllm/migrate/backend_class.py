@@ -20,7 +20,7 @@ from vllm.migrate.analysis import (
 )
 from vllm.migrate.declarations import CONSUMED, Declarations, size_spec_code, sorted_dtypes
 from vllm.migrate.literal import NOT_LITERAL, Evaluator
-from vllm.migrate.metadata import _set_base
+from vllm.migrate.metadata import set_base
 from vllm.migrate.plan import Plan, statements_from
 from vllm.migrate.report import MARKER_WIDTH
 
@@ -146,8 +146,8 @@ def rewrite_backend(plan: Plan, pieces: Pieces, decl: Declarations, layout_note:
     if decl.attention_types is not None and decl.attention_types != (AttentionType.DECODER,):
         plan.need("vllm.attention", "AttentionType")
     if not derived:
-        _set_base(plan, cls, f"AttentionBackend[{info.ref(meta, cls.node, annotation=False)}]",
-                  legacy_base="AttentionBackend")
+        set_base(plan, cls, f"AttentionBackend[{info.ref(meta, cls.node, annotation=False)}]",
+                 legacy_base="AttentionBackend")
 
     body = class_body(cls.node)
     anchor = next((s for s in body if isinstance(s, cst.FunctionDef) and s.name.value in (

@@ -20,7 +20,7 @@ from vllm.migrate.analysis import (
     unset_self_reads,
 )
 from vllm.migrate.declarations import Declarations
-from vllm.migrate.metadata import _set_base, body_with, with_signature
+from vllm.migrate.metadata import binding, body_with, set_base, with_signature
 from vllm.migrate.plan import Plan, expression, statements_from
 from vllm.migrate.writes import WriteFinding
 
@@ -71,8 +71,8 @@ def rewrite_impl(plan: Plan, cls: ClassInfo, meta: str, decl: Declarations,
     own), so its base stays."""
     if not derived:
         plan.need("vllm.attention", "AttentionImpl")
-        _set_base(plan, cls, f"AttentionImpl[{plan.info.ref(meta, cls.node, annotation=False)}]",
-                  legacy_base="AttentionImpl")
+        set_base(plan, cls, f"AttentionImpl[{plan.info.ref(meta, cls.node, annotation=False)}]",
+                 legacy_base="AttentionImpl")
     init = cls.methods.get("__init__")
     if init is not None:
         _rewrite_init(plan, cls, init, decl)
@@ -132,9 +132,7 @@ def _rewrite_init(plan: Plan, cls: ClassInfo, init: cst.FunctionDef, decl: Decla
         if value.startswith("spec.") and name not in assigned:
             inline[name] = value
             continue
-        ann = info.module.code_for_node(p.annotation.annotation) if p.annotation else None
-        bindings.append(f"        {name}: {ann} = {value}\n" if ann else
-                        f"        {name} = {value}\n")
+        bindings.append(binding(info.module, p, value))
     # a nested def or lambda binds its own names
     nested = (cst.FunctionDef, cst.Lambda)
     for node in name_loads(init.body, inline, skip=lambda n: isinstance(n, nested)):
@@ -200,10 +198,7 @@ def _rewrite_forward(plan: Plan, fn: cst.FunctionDef, meta: str,
             plan.mark(fn, f"forward() takes {name}, which the new forward() is not given",
                       f"compute {name} inside forward()")
             continue
-        ann = info.module.code_for_node(p.annotation.annotation) if p.annotation else None
-        default = info.module.code_for_node(p.default)
-        bindings.append(f"        {name}: {ann} = {default}\n" if ann else
-                        f"        {name} = {default}\n")
+        bindings.append(binding(info.module, p, info.module.code_for_node(p.default)))
     types = ["AttentionLayerProtocol", "torch.Tensor", "torch.Tensor | None",
              "torch.Tensor | None", "torch.Tensor", meta, "torch.Tensor"]
     args = ["self", *(f"{n}: {t}" for n, t in zip(kept, types))]

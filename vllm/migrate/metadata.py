@@ -128,11 +128,11 @@ def rewrite_metadata(plan: Plan, cls: ClassInfo, legacy: bool) -> None:
         if not frozen:
             plan.notes.append(f"{cls.name} stays an unfrozen dataclass: the module assigns its "
                               "fields after construction")
-    _set_base(plan, cls, "AttentionMetadata", legacy_base="AttentionMetadata")
+    set_base(plan, cls, "AttentionMetadata", legacy_base="AttentionMetadata")
     _rewrite_constructor_calls(plan, cls, fields)
 
 
-def _set_base(plan: Plan, cls: ClassInfo, new_base: str, legacy_base: str) -> None:
+def set_base(plan: Plan, cls: ClassInfo, new_base: str, legacy_base: str) -> None:
     """Replace ``cls``'s legacy ``legacy_base`` base (or add ``new_base`` first)."""
     info = plan.info
     args = list(cls.node.bases)
@@ -220,8 +220,8 @@ def _keyword_call(func: str, values: list[tuple[str, str]], column: int) -> cst.
 def rewrite_builder(plan: Plan, cls: ClassInfo, meta: str) -> None:
     info = plan.info
     plan.need("vllm.attention", "AttentionMetadataBuilder", "CommonAttentionMetadata")
-    _set_base(plan, cls, f"AttentionMetadataBuilder[{info.ref(meta, cls.node, annotation=False)}]",
-              legacy_base="AttentionMetadataBuilder")
+    set_base(plan, cls, f"AttentionMetadataBuilder[{info.ref(meta, cls.node, annotation=False)}]",
+             legacy_base="AttentionMetadataBuilder")
     init = cls.methods.get("__init__")
     if init is not None:
         _rewrite_builder_init(plan, cls, init)
@@ -294,6 +294,15 @@ def _docstring_split(fn: cst.FunctionDef) -> tuple[list[cst.BaseStatement], list
     return [], body
 
 
+def binding(module: cst.Module, param: cst.Param, value: str) -> str:
+    """``name: annotation = value`` for a parameter the new signature drops, as the first
+    lines of a method's body give it (the annotation as ``param`` has it, if any)."""
+    name = param.name.value
+    if param.annotation is None:
+        return f"        {name} = {value}\n"
+    return f"        {name}: {module.code_for_node(param.annotation.annotation)} = {value}\n"
+
+
 def body_with(fn: cst.FunctionDef, first: list[cst.BaseStatement]) -> cst.FunctionDef:
     """``fn`` with ``first`` inserted after its docstring."""
     doc, rest = _docstring_split(fn)
@@ -362,22 +371,21 @@ def _rewrite_build(plan: Plan, build: cst.FunctionDef, meta: str) -> None:
     _rewrite_common_reads(plan, build, aliases)
     used = names_in(build.body)
     bindings = []
-    legacy_values = {0: "0"}  # common_prefix_len: the adapter passes 0; fast_build False
     for i, p in enumerate(others):
         name = p.name.value
         if name not in used:
             continue
-        default = legacy_values.get(i) if i == 0 and len(ps) >= 2 else (
-            info.module.code_for_node(p.default) if p.default is not None else None)
-        if default is None:
-            default = "False" if name == "fast_build" else None
+        if i == 0 and len(ps) >= 2:
+            default: str | None = "0"  # common_prefix_len: the adapter passes 0
+        elif p.default is not None:
+            default = info.module.code_for_node(p.default)
+        else:
+            default = "False" if name == "fast_build" else None  # as the adapter passes it
         if default is None:
             plan.mark(build, f"build() reads {name}, which the new build() is not given",
                       f"compute {name} from the CommonAttentionMetadata in build()")
             continue
-        ann = info.module.code_for_node(p.annotation.annotation) if p.annotation else None
-        bindings.append(f"        {name}: {ann} = {default}\n" if ann else
-                        f"        {name} = {default}\n")
+        bindings.append(binding(info.module, p, default))
     returns = info.module.code_for_node(build.returns.annotation) if build.returns else meta
 
     def edit(updated: cst.FunctionDef) -> cst.FunctionDef:
