@@ -73,6 +73,26 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
+FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+"""The fp8 latent cache formats and their storage dtypes."""
+
+
+def shuffled_block_table(seq_lens: list[int], page: int, g: torch.Generator, *,
+                         spare: int = 1) -> tuple[torch.Tensor, int]:
+    """A block table for requests of ``seq_lens`` tokens over ``nb`` shuffled blocks of
+    ``page`` rows (``spare`` more than the requests need), and ``nb``: each request's
+    pages take the next blocks of a random permutation; unused entries hold ``nb - 1``."""
+    counts = [-(-s // page) for s in seq_lens]
+    nb = sum(counts) + spare
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    bt = torch.full((len(seq_lens), max(counts)), nb - 1, dtype=torch.int32)
+    at = 0
+    for r, c in enumerate(counts):
+        bt[r, :c] = perm[at: at + c]
+        at += c
+    return bt, nb
+
+
 def latent_decode_reference(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                             tokens: list[tuple[int, int]], kv_lora_rank: int, scale: float,
                             k_scale: float | None) -> torch.Tensor:

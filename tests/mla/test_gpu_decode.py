@@ -12,14 +12,18 @@ from typing import Any
 import pytest
 import torch
 
-from tests.mla.helpers import latent_decode_reference, make_spec
+from tests.mla.helpers import (
+    FP8_CACHE_DTYPES,
+    latent_decode_reference,
+    make_spec,
+    shuffled_block_table,
+)
 from vllm.attention.registry import get_backend
 
 pytestmark = pytest.mark.gpu
 
 L, R, PAGE = 512, 64, 64
 SEQ_LENS = [4096, 1, 4095, 65, 64, 3001, 129, 2048]
-_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 TOL = get_backend("TRITON_MLA").tolerances[torch.bfloat16]
 
 
@@ -27,22 +31,15 @@ def _inputs(heads: int, cache_dtype: str, seed: int = 0) -> dict[str, Any]:
     from vllm.attention.ops.mla_attention import LatentFormat
 
     g = torch.Generator().manual_seed(seed)
-    counts = [-(-s // PAGE) for s in SEQ_LENS]
-    nb = sum(counts) + 3
-    perm = torch.randperm(nb, generator=g).to(torch.int32)
-    bt = torch.full((len(SEQ_LENS), max(counts)), nb - 1, dtype=torch.int32)
-    at = 0
-    for r, c in enumerate(counts):
-        bt[r, :c] = perm[at: at + c]
-        at += c
+    bt, nb = shuffled_block_table(SEQ_LENS, PAGE, g, spare=3)
     k_scale = 0.37
-    storage = _FP8.get(cache_dtype, torch.bfloat16)
+    storage = FP8_CACHE_DTYPES.get(cache_dtype, torch.bfloat16)
     cache = torch.empty(nb, PAGE, L + R, dtype=storage, device="cuda")
     cache.view(torch.uint8).fill_(0xFF)  # NaN in bf16, E4M3 and E5M2
     for r, n in enumerate(SEQ_LENS):
         pos = torch.arange(n)
         rows = torch.randn(n, L + R, generator=g)
-        if cache_dtype in _FP8:
+        if cache_dtype in FP8_CACHE_DTYPES:
             rows = rows / k_scale
         cache[bt[r, pos // PAGE].long().cuda(), (pos % PAGE).cuda()] = rows.to(storage).cuda()
     tokens = [(r, n - 1) for r, n in enumerate(SEQ_LENS)]
@@ -52,7 +49,7 @@ def _inputs(heads: int, cache_dtype: str, seed: int = 0) -> dict[str, Any]:
     return dict(fmt=fmt, cache=cache, bt=bt.cuda(), tokens=tokens, q=q,
                 req=torch.tensor([r for r, _ in tokens], dtype=torch.int32, device="cuda"),
                 pos=torch.tensor([p for _, p in tokens], dtype=torch.int32, device="cuda"),
-                k_scale=k_scale if cache_dtype in _FP8 else None)
+                k_scale=k_scale if cache_dtype in FP8_CACHE_DTYPES else None)
 
 
 def _err(out: torch.Tensor, ref: torch.Tensor) -> float:

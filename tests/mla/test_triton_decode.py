@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.mla.conftest import HAVE_TRITON
-from tests.mla.helpers import latent_decode_reference
+from tests.mla.helpers import FP8_CACHE_DTYPES, latent_decode_reference, shuffled_block_table
 from vllm.attention import InvalidArgumentError
 from vllm.attention.ops.mla_attention import LatentFormat
 from vllm.attention.registry import get_backend
@@ -27,7 +27,6 @@ if HAVE_TRITON and not torch.cuda.is_available():
     # at collection, before anything imports triton (see test_triton_interpreter.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # (request, position) of each decode token: one key only, two tokens of one request,
 # a context of exactly four pages, and contexts that end inside a page
 TOKENS = [(0, 0), (1, 35), (1, 36), (2, 63), (3, 16)]
@@ -100,29 +99,16 @@ CASES = [
 ]
 
 
-def _layout(page: int, g: torch.Generator) -> tuple[torch.Tensor, int]:
-    """A block table over shuffled blocks (one spare block owned by no request)."""
-    counts = [-(-s // page) for s in SEQ_LENS]
-    nb = sum(counts) + 1
-    perm = torch.randperm(nb, generator=g).to(torch.int32)
-    bt = torch.full((len(SEQ_LENS), max(counts)), nb - 1, dtype=torch.int32)
-    at = 0
-    for r, c in enumerate(counts):
-        bt[r, :c] = perm[at: at + c]
-        at += c
-    return bt, nb
-
-
 def _cache(case: Case, fmt: LatentFormat, bt: torch.Tensor, nb: int,
            g: torch.Generator) -> torch.Tensor:
     """NaN bytes everywhere, then random rows at every request's positions."""
-    storage = _FP8.get(case.cache_dtype, case.dtype)
+    storage = FP8_CACHE_DTYPES.get(case.cache_dtype, case.dtype)
     cache = torch.empty(nb, case.page, case.L + case.R, dtype=storage)
     cache.view(torch.uint8).fill_(0xFF)  # NaN in every float format here
     for r, n in enumerate(SEQ_LENS):
         pos = torch.arange(n)
         rows = torch.randn(n, case.L + case.R, generator=g)
-        if case.cache_dtype in _FP8:
+        if case.cache_dtype in FP8_CACHE_DTYPES:
             rows = rows / fmt.k_scale
         cache[bt[r, pos // case.page].long(), pos % case.page] = rows.to(storage)
     return cache
@@ -130,7 +116,7 @@ def _cache(case: Case, fmt: LatentFormat, bt: torch.Tensor, nb: int,
 
 def reference(q: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor, tokens: list[Any],
               fmt: LatentFormat, scale: float) -> torch.Tensor:
-    k_scale = float(fmt.k_scale[0]) if fmt.cache_dtype in _FP8 else None
+    k_scale = float(fmt.k_scale[0]) if fmt.cache_dtype in FP8_CACHE_DTYPES else None
     return latent_decode_reference(q, cache, bt, tokens, fmt.kv_lora_rank, scale, k_scale)
 
 
@@ -139,7 +125,7 @@ def _inputs(case: Case, seed: int = 0) -> tuple[LatentFormat, torch.Tensor, torc
     g = torch.Generator().manual_seed(seed)
     fmt = LatentFormat(case.cache_dtype, case.L, case.R,  # type: ignore[arg-type]
                        torch.tensor([0.37]), case.dtype)
-    bt, nb = _layout(case.page, g)
+    bt, nb = shuffled_block_table(SEQ_LENS, case.page, g)  # one block owned by no request
     cache = _cache(case, fmt, bt, nb, g)
     q = torch.randn(len(TOKENS), case.heads, case.L + case.R, generator=g).to(case.dtype)
     req = torch.tensor([r for r, _ in TOKENS], dtype=torch.int32)
