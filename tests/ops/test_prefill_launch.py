@@ -6,25 +6,13 @@ against float64 with NaN in unowned slots (interpreter; CUDA under the gpu marke
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from tests.ops.paged_cases import TOLERANCE, Case, L, build, rel_err
+from tests.ops.test_triton_prefill import skip_unless_triton_runs_on
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
 BF16, FP16 = torch.bfloat16, torch.float16
-
-
-def _require(device: str) -> None:
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed (pip install triton)")
-    from vllm.attention.ops.triton_paged_attention import triton_unavailable_reason
-
-    reason = triton_unavailable_reason(torch.device(device))
-    if reason is not None:
-        pytest.skip(reason)
 
 
 def _config(head_size: int, dtype: torch.dtype, max_query_len: int, group: int = 4) -> object:
@@ -76,7 +64,7 @@ INTERP = [
 def test_interpreter_runs_the_long_prefill_tile(case: Case) -> None:
     """The launch's tile shape (128 rows = 32 tokens x 4 heads, 32-key tiles, edge-only
     masks, last-first) on small batches, under the interpreter."""
-    _require("cpu")
+    skip_unless_triton_runs_on("cpu")
     from vllm.attention.ops.triton_paged_attention import (
         LONG_PREFILL,
         TritonLaunchConfig,
@@ -123,7 +111,7 @@ GPU = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU, ids=[c.id() for c in GPU])
 def test_cuda_default_long_prefill_launch(case: Case) -> None:
-    _require("cuda")
+    skip_unless_triton_runs_on("cuda")
     from vllm.attention.ops.triton_paged_attention import (
         LONG_PREFILL,
         choose_config,

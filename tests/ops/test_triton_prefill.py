@@ -17,7 +17,8 @@ from tests.ops.paged_cases import TOLERANCE, Case, L, build, rel_err
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def _require(device: str) -> None:
+def skip_unless_triton_runs_on(device: str) -> None:
+    """Skip the test where Triton is not installed or cannot run on ``device``."""
     if not HAVE_TRITON:
         pytest.skip("triton is not installed (pip install triton)")
     from vllm.attention.ops.triton_paged_attention import triton_unavailable_reason
@@ -61,7 +62,7 @@ INTERP = [
 @pytest.mark.parametrize("case", INTERP, ids=[c.id() for c in INTERP])
 def test_interpreter_prefill_tiles(case: Case, block_m: int, block_n: int,
                                    split_masks: bool) -> None:
-    _require("cpu")
+    skip_unless_triton_runs_on("cpu")
     err = _run(case, "cpu", block_m=max(block_m, case.group), block_n=block_n,
                split_masks=split_masks)
     assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
@@ -94,7 +95,7 @@ GPU = [
                          [(128, 64, True), (128, 128, True), (64, 64, False)])
 @pytest.mark.parametrize("case", GPU, ids=[c.id() for c in GPU])
 def test_cuda_prefill_tiles(case: Case, block_m: int, block_n: int, split_masks: bool) -> None:
-    _require("cuda")
+    skip_unless_triton_runs_on("cuda")
     err = _run(case, "cuda", block_m=block_m, block_n=block_n, split_masks=split_masks)
     assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
 
@@ -103,7 +104,7 @@ def test_interpreter_negative_scale_keeps_masks() -> None:
     """Unmasked tiles fold the scale into ``max(s) * scale``, right for a positive scale
     only; with a negative one (logits large enough that a wrong running maximum
     overflows exp2) the launch keeps every tile masked."""
-    _require("cpu")
+    skip_unless_triton_runs_on("cpu")
     from vllm.attention.ops.reference import attend
     from vllm.attention.ops.triton_paged_attention import TritonLaunchConfig, paged_attention_triton
 
