@@ -187,10 +187,24 @@ class ModuleInfo:
         return order
 
 
-def _asname(alias: cst.ImportAlias) -> str | None:
+def alias_local(alias: cst.ImportAlias) -> str:
+    """The name an import binds: its ``as`` name, else the first part of the imported
+    name (``import a.b`` binds ``a``)."""
     if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
         return alias.asname.name.value
-    return None
+    return (dotted(alias.name) or "").split(".")[0]
+
+
+def _assigned(small: cst.BaseSmallStatement) -> tuple[str, cst.BaseExpression | None] | None:
+    """The name and the value (None without one) of ``name = value`` or
+    ``name: T [= value]``."""
+    target: cst.BaseExpression | None = None
+    value: cst.BaseExpression | None = None
+    if isinstance(small, cst.Assign) and len(small.targets) == 1:
+        target, value = small.targets[0].target, small.value
+    elif isinstance(small, cst.AnnAssign):
+        target, value = small.target, small.value
+    return (target.value, value) if isinstance(target, cst.Name) else None
 
 
 def _fill_parents(root: cst.CSTNode, parents: dict[cst.CSTNode, cst.CSTNode]) -> None:
@@ -213,22 +227,16 @@ def read_module(path: Path, module: cst.Module) -> ModuleInfo:
     for stmt in module.body:
         if isinstance(stmt, cst.SimpleStatementLine):
             for small in stmt.body:
+                assigned = _assigned(small)
                 if isinstance(small, cst.ImportFrom):
                     _read_import_from(info, small, stmt)
                 elif isinstance(small, cst.Import):
                     for alias in small.names:
-                        name = dotted(alias.name) or ""
-                        local = _asname(alias) or name.split(".")[0]
-                        qualified = name if alias.asname else local
+                        local = alias_local(alias)
+                        qualified = (dotted(alias.name) or "") if alias.asname else local
                         info.imports[local] = Imported(local, qualified, "", stmt)
-        if isinstance(stmt, cst.SimpleStatementLine):
-            for small in stmt.body:
-                if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(
-                        small.targets[0].target, cst.Name):
-                    info.constants[small.targets[0].target.value] = small.value
-                elif isinstance(small, cst.AnnAssign) and isinstance(small.target, cst.Name) \
-                        and small.value is not None:
-                    info.constants[small.target.value] = small.value
+                elif assigned is not None and assigned[1] is not None:
+                    info.constants[assigned[0]] = assigned[1]
         elif isinstance(stmt, cst.ClassDef):
             info.classes[stmt.name.value] = _read_class(info, stmt)
         elif isinstance(stmt, cst.FunctionDef):
@@ -243,7 +251,7 @@ def _read_import_from(info: ModuleInfo, node: cst.ImportFrom,
         return
     for alias in node.names:
         name = dotted(alias.name) or ""
-        local = _asname(alias) or name
+        local = alias_local(alias)
         info.imports[local] = Imported(local, f"{module}.{name}" if module else name, module,
                                        stmt)
 
@@ -260,16 +268,12 @@ def _read_class(info: ModuleInfo, node: cst.ClassDef) -> ClassInfo:
             cls.methods[stmt.name.value] = stmt
         elif isinstance(stmt, cst.SimpleStatementLine):
             for small in stmt.body:
-                target: cst.BaseExpression | None = None
-                value: cst.BaseExpression | None = None
-                if isinstance(small, cst.Assign) and len(small.targets) == 1:
-                    target, value = small.targets[0].target, small.value
-                elif isinstance(small, cst.AnnAssign):
-                    target, value = small.target, small.value
-                if isinstance(target, cst.Name):
+                assigned = _assigned(small)
+                if assigned is not None:
+                    name, value = assigned
                     if value is not None:
-                        cls.attrs[target.value] = value
-                    cls.attr_lines[target.value] = stmt
+                        cls.attrs[name] = value
+                    cls.attr_lines[name] = stmt
     return cls
 
 

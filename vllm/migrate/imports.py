@@ -10,7 +10,7 @@ from typing import Final
 
 import libcst as cst
 
-from vllm.migrate.analysis import dotted, is_legacy_module, module_name
+from vllm.migrate.analysis import alias_local, dotted, is_docstring, is_legacy_module, module_name
 from vllm.migrate.report import ManualStep
 
 NEW_API: Final[Mapping[str, tuple[str, str]]] = {
@@ -102,13 +102,6 @@ def _grouped(kept: list[tuple[str, str, str]]) -> str:
                      for (module, advice), names in groups.items())
 
 
-def _alias_local(alias: cst.ImportAlias) -> str:
-    if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
-        return alias.asname.name.value
-    name = dotted(alias.name) or ""
-    return name.split(".")[0]
-
-
 class ImportRewriter(cst.CSTTransformer):
     """Drops legacy imports the module no longer uses, moves the ones with a new-API
     counterpart there, marks the rest, and adds the imports in ``plan.needed``."""
@@ -140,7 +133,7 @@ class ImportRewriter(cst.CSTTransformer):
                 module = module_name(small.module, len(small.relative))
                 names = []
                 for alias in small.names:
-                    local = _alias_local(alias)
+                    local = alias_local(alias)
                     name = dotted(alias.name) or ""
                     legacy = is_legacy_module(module) or is_legacy_module(f"{module}.{name}")
                     if module in ("typing", "typing_extensions") and local not in self.used:
@@ -176,7 +169,7 @@ class ImportRewriter(cst.CSTTransformer):
             elif isinstance(small, cst.Import):
                 names = []
                 for alias in small.names:
-                    local = _alias_local(alias)
+                    local = alias_local(alias)
                     full = dotted(alias.name) or ""
                     if is_legacy_module(full):
                         if local not in self.used:
@@ -350,7 +343,7 @@ def _insert_at(body: list[cst.BaseStatement], module: str) -> int:
     for i, stmt in enumerate(body):
         if _is_import_line(stmt):
             imports.append((i, _statement_module(stmt)))
-        elif not (_only_imports(stmt) or (i == 0 and is_docstring_line(stmt))):
+        elif not (_only_imports(stmt) or (i == 0 and is_docstring(stmt))):
             break
         end = i + 1
     if module == "~" or not imports:
@@ -367,9 +360,3 @@ def _insert_at(body: list[cst.BaseStatement], module: str) -> int:
             return max(i for i, _ in imports) + 1
     before = [i for i, m in group if m < module]
     return before[-1] + 1 if before else group[0][0]
-
-
-def is_docstring_line(stmt: cst.BaseStatement) -> bool:
-    return isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and \
-        isinstance(stmt.body[0], cst.Expr) and isinstance(
-            stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
