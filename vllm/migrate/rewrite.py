@@ -94,11 +94,7 @@ def migrate_source(path: Path, text: str, class_name: str | None = None) -> Migr
     if found.note:
         plan.notes.append(found.note)
 
-    code = _apply(plan)
-    return MigrationResult(
-        source=path, class_name=backend.name, backend_name=decl.name or backend.name,
-        generation="flagged" if flagged else "fused", layout=layout.name, code=code,
-        manual_steps=manual_steps(code), notes=plan.notes)
+    return _result(plan, backend, decl, flagged, layout)
 
 
 def _migrate_derived(info: ModuleInfo, backend: ClassInfo, base_info: ModuleInfo,
@@ -149,13 +145,9 @@ def _migrate_derived(info: ModuleInfo, backend: ClassInfo, base_info: ModuleInfo
                       f"migrate it too (vllm-attn migrate {shown}) and import "
                       f"{', '.join(sorted(n for n in names if n in info.imports))} from the "
                       "migrated module")
-    code = _apply(plan)
-    return MigrationResult(
-        source=info.path, class_name=backend.name, backend_name=decl.name or backend.name,
-        generation="flagged" if flagged else "fused", layout=layout.name, code=code,
-        manual_steps=manual_steps(code),
-        notes=[*plan.notes, f"{backend.name} keeps its base {base.name} "
-               f"({base_info.path}), which is migrated on its own"])
+    return _result(plan, backend, decl, flagged, layout,
+                   f"{backend.name} keeps its base {base.name} ({base_info.path}), which is "
+                   "migrated on its own")
 
 
 def _local_piece(info: ModuleInfo, backend: ClassInfo, method: str) -> ClassInfo | None:
@@ -174,9 +166,16 @@ def _annotation(info: ModuleInfo, fn: cst.FunctionDef | None, index: int) -> str
     return info.module.code_for_node(ann.annotation).strip() if ann is not None else None
 
 
-def _apply(plan: Plan) -> str:
+def _result(plan: Plan, backend: ClassInfo, decl: Declarations, flagged: bool,
+            layout: KVCacheLayout, *notes: str) -> MigrationResult:
+    """``plan`` applied: the migrated module, its manual steps read from its markers."""
     module = plan.info.module.visit(Apply(plan))
-    return module.visit(ImportRewriter(used_names(module), plan.imports)).code
+    code = module.visit(ImportRewriter(used_names(module), plan.imports)).code
+    return MigrationResult(
+        source=plan.info.path, class_name=backend.name,
+        backend_name=decl.name or backend.name, generation="flagged" if flagged else "fused",
+        layout=layout.name, code=code, manual_steps=manual_steps(code),
+        notes=[*plan.notes, *notes])
 
 
 def manual_steps(code: str) -> list[ManualStep]:
