@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -80,3 +81,21 @@ def marked_lines(code: str) -> list[int]:
     """Lines of the migrated module that start a ``# MIGRATE:`` marker."""
     return [i for i, line in enumerate(code.splitlines(), start=1)
             if line.strip().startswith("# MIGRATE:")]
+
+
+def unmark(code: str) -> str:
+    """``code`` without its ``# MIGRATE:`` marker comments."""
+    lines = code.splitlines(keepends=True)
+    drop: set[int] = set()
+    for start in marked_lines(code):
+        i = start - 1
+        drop.add(i)
+        while i + 1 < len(lines) and lines[i + 1].strip().startswith("#   "):
+            i += 1
+            drop.add(i)
+    return "".join(line for i, line in enumerate(lines) if i not in drop)
+
+
+def original(path: Path, name: str) -> Any:
+    """Class ``name`` of the legacy module ``path``, loaded as ``--check`` loads it."""
+    return getattr(load_module(path, path.read_text(encoding="utf-8"), "_original"), name)

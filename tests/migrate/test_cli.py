@@ -11,8 +11,17 @@ from pathlib import Path
 import pytest
 
 from shim.adapter import adapt_quietly
-from tests.migrate.support import EXAMPLES, ROOT, load, marked_lines, mypy_strict, run
-from vllm.migrate.check import compare, load_module
+from tests.migrate.support import (
+    EXAMPLES,
+    ROOT,
+    load,
+    marked_lines,
+    mypy_strict,
+    original,
+    run,
+    unmark,
+)
+from vllm.migrate.check import compare
 from vllm.migrate.report import EXIT_ERROR, EXIT_MANUAL_STEPS, EXIT_OK
 
 
@@ -181,19 +190,6 @@ STEPS = {
 person makes for it."""
 
 
-def _unmark(code: str) -> str:
-    """``code`` without its ``# MIGRATE:`` marker comments."""
-    lines = code.splitlines(keepends=True)
-    drop: set[int] = set()
-    for start in marked_lines(code):
-        i = start - 1
-        drop.add(i)
-        while i + 1 < len(lines) and lines[i + 1].strip().startswith("#   "):
-            i += 1
-            drop.add(i)
-    return "".join(line for i, line in enumerate(lines) if i not in drop)
-
-
 def test_manual_steps_are_listed_and_doing_them_finishes_the_migration(tmp_path: Path) -> None:
     source = tmp_path / "src" / "manual.py"
     source.parent.mkdir()
@@ -210,7 +206,7 @@ def test_manual_steps_are_listed_and_doing_them_finishes_the_migration(tmp_path:
     # the write went, with what only served it
     assert "index_put_" not in code and "slot_mapping" not in code
 
-    fixed = _unmark(code)
+    fixed = unmark(code)
     for edits in STEPS.values():
         for old, new in edits:
             assert fixed.count(old) == 1, old
@@ -218,8 +214,8 @@ def test_manual_steps_are_listed_and_doing_them_finishes_the_migration(tmp_path:
     assert "# MIGRATE:" not in fixed
     written.write_text(fixed, encoding="utf-8")
     assert mypy_strict(written).returncode == 0, mypy_strict(written).stdout
-    original = load_module(source, MANUAL, "_original").ManualBackend
-    outcome = compare(adapt_quietly(original), load(source, fixed).ManualBackend)
+    outcome = compare(adapt_quietly(original(source, "ManualBackend")),
+                      load(source, fixed).ManualBackend)
     assert outcome.ok, outcome.differences
 
 

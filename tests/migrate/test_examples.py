@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from shim.adapter import adapt_quietly
-from tests.migrate.support import EXAMPLES, guide_example, load, mypy_strict
+from tests.migrate.support import EXAMPLES, guide_example, load, mypy_strict, original
 from vllm.attention import AttentionBackend, AttentionMetadata
-from vllm.migrate.check import compare, load_module
+from vllm.migrate.check import compare
 from vllm.migrate.report import MigrationResult
 from vllm.migrate.rewrite import migrate
 from vllm.migrate.source import Target
@@ -55,9 +55,7 @@ def test_new_style_without_slot_mapping(migrated: Migrated, name: str) -> None:
 @pytest.mark.parametrize("name", CASES)
 def test_check_finds_no_difference(migrated: Migrated, name: str) -> None:
     path, result = migrated[name]
-    original = getattr(load_module(path, path.read_text(encoding="utf-8"), "_original"),
-                       result.class_name)
-    outcome = compare(adapt_quietly(original),
+    outcome = compare(adapt_quietly(original(path, result.class_name)),
                       getattr(load(path, result.code), result.class_name))
     assert outcome.ok, outcome.differences
     assert outcome.compared and all(report.ok for report in outcome.reports)
@@ -67,15 +65,14 @@ def test_check_reports_a_wrong_migration(migrated: Migrated) -> None:
     """The comparison fails a migration whose writer or compute differs: another layout
     (cache bytes and capabilities) and a scale off by 1% (outputs)."""
     path, result = migrated["fused"]
-    original = adapt_quietly(getattr(
-        load_module(path, path.read_text(encoding="utf-8"), "_original"), result.class_name))
+    adapted = adapt_quietly(original(path, result.class_name))
     layout = result.code.replace("KVCacheLayout.SPLIT_NHD", "KVCacheLayout.SPLIT_HND")
-    wrong = compare(original, getattr(load(path, layout), result.class_name))
+    wrong = compare(adapted, getattr(load(path, layout), result.class_name))
     assert "kv_cache_layout: original SPLIT_NHD, migrated SPLIT_HND" in wrong.differences
     assert any("the cache after the step differs" in d for d in wrong.differences)
     scale = result.code.replace("scale=self.scale,", "scale=self.scale * 1.01,")
     assert scale != result.code
-    off = compare(original, getattr(load(path, scale), result.class_name))
+    off = compare(adapted, getattr(load(path, scale), result.class_name))
     assert any("outputs differ by" in d for d in off.differences), off.differences
 
 

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-
 from shim.adapter import adapt_quietly
-from tests.migrate.support import LEGACY, marked_lines, mypy_strict, run
-from vllm.migrate.check import compare, load_module
+from tests.migrate.support import LEGACY, load, marked_lines, mypy_strict, original, run, unmark
+from vllm.migrate.check import compare
 from vllm.migrate.report import EXIT_MANUAL_STEPS
 
 UPSTREAM = LEGACY / "upstream"
+
+
 @dataclass(frozen=True)
 class Cut:
     """An edit deleting the text from ``start`` up to (not including) ``end``."""
@@ -51,6 +52,43 @@ SPEC_HEADS = """\
         self.num_heads_kv = spec.num_kv_heads
         self.headdim = spec.head_size
 """
+LAYER_WINDOWS = """\
+                   for layer in get_layers_from_vllm_config(self.vllm_config, Attention).values()}
+        if len(windows) > 1:
+            logger.info_once("layers differ in sliding window: FA3 schedules per call")
+            self.aot_schedule = False
+        self.aot_sliding_window = windows.pop() if len(windows) == 1 else _NO_WINDOW
+"""
+"""How both FlashAttention builders pick the window from upstream's layers (after the
+line that starts the set)."""
+SPEC_WINDOW = """\
+        # the builder serves one KV-cache group: its layers share the spec's window
+        window = self.spec.sliding_window
+        self.aot_sliding_window = _NO_WINDOW if window is None else (window - 1, 0)
+"""
+
+LOGGER: Step = (
+    "replace init_logger (vllm.logger): use logging.getLogger (upstream's logger adds the "
+    "*_once methods)", [
+        ("from vllm.logger import init_logger\n", ""),
+        ("logger = init_logger(__name__)\n", ""),
+    ])
+CACHE_CONFIG: Step = (NO_CONFIG, [
+    ("        self.cache_config = vllm_config.cache_config\n",
+     "        self.cache_dtype = spec.kv_cache_dtype\n"),
+    ("        spelled = self.cache_config.cache_dtype\n", "        spelled = self.cache_dtype\n"),
+])
+KV_CACHE_DTYPE: Step = (NO_CONFIG, [
+    ("        self.kv_cache_dtype = kv_cache_spec.dtype\n",
+     "        self.kv_cache_dtype = torch.get_default_dtype()  # FA3 scheduling\n"),
+])
+BLOCK_SIZE: Step = (NO_CONFIG, [
+    ("        self.block_size = kv_cache_spec.block_size\n",
+     "        self.block_size = 0  # build() takes each step's\n"),
+    ("        c = common_attn_metadata\n",
+     "        c = common_attn_metadata\n        self.block_size = c.block_size\n"),
+])
+"""Steps both FlashAttention modules list, done alike."""
 
 V0_10: list[Step] = [
     ("replace get_layers_from_vllm_config (vllm.config): the new API passes no configuration "
@@ -63,55 +101,19 @@ V0_10: list[Step] = [
          ("""\
         # the layers found are the views legacy impls are called with, holding those impls
         windows = {cast(FlashAttentionImpl, layer.impl).sliding_window
-                   for layer in get_layers_from_vllm_config(self.vllm_config, Attention).values()}
-        if len(windows) > 1:
-            logger.info_once("layers differ in sliding window: FA3 schedules per call")
-            self.aot_schedule = False
-        self.aot_sliding_window = windows.pop() if len(windows) == 1 else _NO_WINDOW
-""", """\
-        # the builder serves one KV-cache group: its layers share the spec's window
-        window = self.spec.sliding_window
-        self.aot_sliding_window = _NO_WINDOW if window is None else (window - 1, 0)
-"""),
+""" + LAYER_WINDOWS, SPEC_WINDOW),
      ]),
-    ("replace init_logger (vllm.logger): use logging.getLogger (upstream's logger adds the "
-     "*_once methods)", [
-         ("from vllm.logger import init_logger\n", ""),
-         ("logger = init_logger(__name__)\n", ""),
-     ]),
+    LOGGER,
     (NO_CONFIG, [("        self.vllm_config = vllm_config\n", "")]),
-    (NO_CONFIG, [
-        ("        self.cache_config = vllm_config.cache_config\n",
-         "        self.cache_dtype = spec.kv_cache_dtype\n"),
-        ("        spelled = self.cache_config.cache_dtype\n", "        spelled = self.cache_dtype\n"),
-    ]),
+    CACHE_CONFIG,
     (NO_CONFIG, [(MODEL_CONFIG, SPEC_HEADS)]),
-    (NO_CONFIG, [("        self.kv_cache_dtype = kv_cache_spec.dtype\n",
-                  "        self.kv_cache_dtype = torch.get_default_dtype()  # FA3 scheduling\n")]),
-    (NO_CONFIG, [
-        ("        self.block_size = kv_cache_spec.block_size\n",
-         "        self.block_size = 0  # build() takes each step's\n"),
-        ("        c = common_attn_metadata\n",
-         "        c = common_attn_metadata\n        self.block_size = c.block_size\n"),
-    ]),
+    KV_CACHE_DTYPE,
+    BLOCK_SIZE,
     (NO_CONFIG, [("""\
         compilation = vllm_config.compilation_config
         self.use_full_cuda_graph = compilation.cudagraph_mode.has_full_cudagraphs()
 """, "        self.use_full_cuda_graph = False  # no CUDA graph captures a builder here\n")]),
 ]
-
-
-def unmark(code: str) -> str:
-    """``code`` without its ``# MIGRATE:`` marker comments."""
-    lines = code.splitlines(keepends=True)
-    drop: set[int] = set()
-    for start in marked_lines(code):
-        i = start - 1
-        drop.add(i)
-        while i + 1 < len(lines) and lines[i + 1].strip().startswith("#   "):
-            i += 1
-            drop.add(i)
-    return "".join(line for i, line in enumerate(lines) if i not in drop)
 
 
 def do_steps(source: Path, out: Path, steps: list[Step]) -> str:
@@ -140,10 +142,8 @@ def do_steps(source: Path, out: Path, steps: list[Step]) -> str:
 def check_same(source: Path, fixed: str, name: str, *, kit_passes: bool = True) -> ModuleType:
     """``--check``'s comparison of the original and the fixed migration; the migrated
     module (loaded beside the original, so its imports resolve alike)."""
-    original = getattr(load_module(source, source.read_text(encoding="utf-8"), "_original"),
-                       name)
-    module = load_module(source, fixed, "_migrated")
-    outcome = compare(adapt_quietly(original), getattr(module, name))
+    module = load(source, fixed)
+    outcome = compare(adapt_quietly(original(source, name)), getattr(module, name))
     assert outcome.ok, outcome.differences
     assert outcome.compared
     if kit_passes:
@@ -198,11 +198,7 @@ FLAGGED: list[Step] = [
 """, "        self.dcp_world_size, self.dcp_rank = 1, 0  # no context parallelism here\n"),
         Cut("    def _forward_with_dcp(", "    def _forward_encoder_attention("),
     ]),
-    ("replace init_logger (vllm.logger): use logging.getLogger (upstream's logger adds the "
-     "*_once methods)", [
-         ("from vllm.logger import init_logger\n", ""),
-         ("logger = init_logger(__name__)\n", ""),
-     ]),
+    LOGGER,
     ("replace Attention (vllm.model_executor.layers.attention): use "
      "vllm.attention.layer.Attention",
      [("from vllm.model_executor.layers.attention import Attention\n", "")]),
@@ -265,20 +261,11 @@ _NO_WINDOW = (-1, -1)
         Cut("\n    @classmethod\n    def supports_combination(",
             "\n\n@dataclass(frozen=True, kw_only=True)\nclass FlashAttentionMetadata("),
     ]),
-    (NO_CONFIG, [("        self.cache_config = vllm_config.cache_config\n",
-                  "        self.cache_dtype = spec.kv_cache_dtype\n"),
-                 ("        spelled = self.cache_config.cache_dtype\n",
-                  "        spelled = self.cache_dtype\n")]),
+    CACHE_CONFIG,
     (NO_CONFIG, [(MODEL_CONFIG, SPEC_HEADS), (
         "        self.cp_kv_cache_interleave_size = parallel.cp_kv_cache_interleave_size\n", "")]),
-    (NO_CONFIG, [("        self.kv_cache_dtype = kv_cache_spec.dtype\n",
-                  "        self.kv_cache_dtype = torch.get_default_dtype()  # FA3 scheduling\n")]),
-    (NO_CONFIG, [
-        ("        self.block_size = kv_cache_spec.block_size\n",
-         "        self.block_size = 0  # build() takes each step's\n"),
-        ("        c = common_attn_metadata\n",
-         "        c = common_attn_metadata\n        self.block_size = c.block_size\n"),
-    ]),
+    KV_CACHE_DTYPE,
+    BLOCK_SIZE,
     (NO_CONFIG, [("""\
         compilation = vllm_config.compilation_config
         self.use_full_cuda_graph = compilation.cudagraph_mode.has_full_cudagraphs()
@@ -292,18 +279,8 @@ _NO_WINDOW = (-1, -1)
             vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph
             if self.use_full_cuda_graph and self.aot_schedule else 0)
 """, "        self.max_num_splits = 0\n")]),
-    ("read what you need from self.spec (AttentionLayerSpec) instead", [("""\
-        windows = {layer.impl.sliding_window
-                   for layer in get_layers_from_vllm_config(self.vllm_config, Attention).values()}
-        if len(windows) > 1:
-            logger.info_once("layers differ in sliding window: FA3 schedules per call")
-            self.aot_schedule = False
-        self.aot_sliding_window = windows.pop() if len(windows) == 1 else _NO_WINDOW
-""", """\
-        # the builder serves one KV-cache group: its layers share the spec's window
-        window = self.spec.sliding_window
-        self.aot_sliding_window = _NO_WINDOW if window is None else (window - 1, 0)
-""")]),
+    ("read what you need from self.spec (AttentionLayerSpec) instead", [
+        ("        windows = {layer.impl.sliding_window\n" + LAYER_WINDOWS, SPEC_WINDOW)]),
     ("declare the refusal as class data (supports_*, attention_types, "
      "supported_kv_cache_dtypes) or in unsupported_reasons(), then delete it", [
          # the declared cache dtypes leave no fp8 layer to refuse
