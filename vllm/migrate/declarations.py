@@ -159,6 +159,20 @@ class _Reader:
                 found.append(c)
         return found
 
+    def _listed(self, name: str, kind: type[T], default: Iterable[T]) -> list[T] | None:
+        """The legacy ``get_<name>()``'s list, else the class list ``<name>``, else
+        ``default``; None where the one there is not a literal list of ``kind``."""
+        for source in (f"get_{name}", name):
+            value = self.method(source) if source.startswith("get_") else self.attr(source)
+            if value is None:
+                continue
+            if isinstance(value, (list, tuple, frozenset)) and all(
+                    isinstance(v, kind) for v in value):
+                return [v for v in value if isinstance(v, kind)]
+            self.give_up(source)
+            return None
+        return list(default)
+
     # -- each declaration ---------------------------------------------------------------
     def name(self) -> str | None:
         value = self.method("get_name")
@@ -178,16 +192,9 @@ class _Reader:
     def _dtype_list(self) -> list[str] | None:
         if "supports_dtype" in self.methods:
             return self._admitted("supports_dtype", FLOAT_DTYPES, TorchDType)
-        for source in ("get_supported_dtypes", "supported_dtypes"):
-            value = self.method(source) if source.startswith("get_") else self.attr(source)
-            if value is None:
-                continue
-            if isinstance(value, (list, tuple, frozenset)) and all(
-                    isinstance(v, TorchDType) for v in value):
-                return [v.name for v in value if isinstance(v, TorchDType)]
-            self.give_up(source)
-            return None
-        return list(UPSTREAM_DEFAULT_DTYPES if self.upstream_base else FLOAT_DTYPES)
+        default = UPSTREAM_DEFAULT_DTYPES if self.upstream_base else FLOAT_DTYPES
+        listed = self._listed("supported_dtypes", TorchDType, map(TorchDType, default))
+        return None if listed is None else [d.name for d in listed]
 
     def cache_dtypes(self) -> tuple[str, ...] | None:
         spelled = self._cache_dtype_list()
@@ -203,19 +210,11 @@ class _Reader:
     def _cache_dtype_list(self) -> list[str] | None:
         if "supports_kv_cache_dtype" in self.backend.methods:
             return self._admitted("supports_kv_cache_dtype", SPELLINGS)
-        for source in ("get_supported_kv_cache_dtypes", "supported_kv_cache_dtypes"):
-            value = self.method(source) if source.startswith("get_") else self.attr(source)
-            if value is None:
-                continue
-            if isinstance(value, (list, tuple, frozenset)) and all(
-                    isinstance(v, str) for v in value):
-                values = [str(v) for v in value]
-                if not values and self.upstream_base:
-                    return list(SPELLINGS)
-                return values
-            self.give_up(source)
-            return None
-        return list(UPSTREAM_DEFAULT_CACHE_DTYPES if self.upstream_base else ("auto",))
+        default = UPSTREAM_DEFAULT_CACHE_DTYPES if self.upstream_base else ("auto",)
+        listed = self._listed("supported_kv_cache_dtypes", str, default)
+        if listed == [] and self.upstream_base:  # upstream: an empty list admits every one
+            return list(SPELLINGS)
+        return listed
 
     def head_sizes(self) -> SizeSpec | None:
         if "supports_head_size" in self.backend.methods or (
