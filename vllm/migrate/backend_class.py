@@ -35,6 +35,9 @@ DEFAULT_HOOKS: Final = {
 """Legacy backend hooks and the value that means "nothing special" (deleted when the
 class answers that); any other answer is a manual step."""
 
+PIECE_METHODS: Final = ("get_impl_cls", "get_builder_cls", "get_metadata_cls")
+"""The classmethods naming the backend's pieces (kept, in the new signature)."""
+
 HOOK_ADVICE: Final = {
     "get_min_compute_capability": "return the reason from device_unsupported_reasons()",
     "get_max_compute_capability": "return the reason from device_unsupported_reasons()",
@@ -150,8 +153,8 @@ def rewrite_backend(plan: Plan, pieces: Pieces, decl: Declarations, layout_note:
                  legacy_base="AttentionBackend")
 
     body = class_body(cls.node)
-    anchor = next((s for s in body if isinstance(s, cst.FunctionDef) and s.name.value in (
-        "get_impl_cls", "get_builder_cls", "get_metadata_cls")), None)
+    anchor = next((s for s in body if isinstance(s, cst.FunctionDef)
+                   and s.name.value in PIECE_METHODS), None)
     for stmt in body:
         name = stmt.name.value if isinstance(stmt, cst.FunctionDef) else next(
             (n for n, line in cls.attr_lines.items() if line is stmt), None)
@@ -163,10 +166,9 @@ def rewrite_backend(plan: Plan, pieces: Pieces, decl: Declarations, layout_note:
                       f"delete {name}")
             continue
         if name in CONSUMED:
-            if name in ("get_impl_cls", "get_builder_cls", "get_metadata_cls") or \
-                    not _referenced_elsewhere(plan, cls, name):
-                if stmt is not anchor:
-                    plan.remove.add(stmt)
+            if stmt is not anchor and (name in PIECE_METHODS
+                                       or not _referenced_elsewhere(plan, cls, name)):
+                plan.remove.add(stmt)  # the anchor is where the new piece methods go
             continue
         if isinstance(stmt, cst.FunctionDef) and name in DEFAULT_HOOKS:
             value = single_return(stmt)
@@ -184,8 +186,7 @@ def rewrite_backend(plan: Plan, pieces: Pieces, decl: Declarations, layout_note:
         note = textwrap.wrap(layout_note, width=MARKER_WIDTH)
         declarations = "".join(f"    # {line}\n" for line in note) + declarations
     new_decl = statements_from(declarations)
-    overridden = frozenset(m for m in ("get_impl_cls", "get_builder_cls", "get_metadata_cls")
-                           if m in cls.methods)
+    overridden = frozenset(m for m in PIECE_METHODS if m in cls.methods)
     new_methods = statements_from(_piece_methods(info, pieces,
                                                  overridden if derived else None)) \
         if overridden or not derived else []

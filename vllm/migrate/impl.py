@@ -137,12 +137,10 @@ def _rewrite_init(plan: Plan, cls: ClassInfo, init: cst.FunctionDef, decl: Decla
     nested = (cst.FunctionDef, cst.Lambda)
     for node in name_loads(init.body, inline, skip=lambda n: isinstance(n, nested)):
         plan.replace(node, expression(inline[node.value]))
-    for star in (init.params.star_arg, init.params.star_kwarg):
+    for star, kind, empty in ((init.params.star_arg, "tuple[object, ...]", "()"),
+                              (init.params.star_kwarg, "dict[str, object]", "{}")):
         if isinstance(star, cst.Param) and star.name.value in used:
-            empty = "{}" if star is init.params.star_kwarg else "()"
-            bindings.append(f"        {star.name.value}: "
-                            f"{'dict[str, object]' if empty == '{}' else 'tuple[object, ...]'}"
-                            f" = {empty}\n")
+            bindings.append(f"        {star.name.value}: {kind} = {empty}\n")
     call = statements_from("super().__init__(spec)\n")[0]
     for stmt in supers:  # the base's __init__ runs where it ran, now given the spec
         plan.edit(stmt, lambda updated: call.with_changes(leading_lines=updated.leading_lines))

@@ -116,11 +116,10 @@ def rewrite_metadata(plan: Plan, cls: ClassInfo, legacy: bool) -> None:
                   "without slot_mapping")
     else:
         frozen = not _mutated_fields(info, cls, fields)
-        target = decorator.decorator.func if isinstance(decorator.decorator, cst.Call) \
-            else decorator.decorator
-        kept = [a for a in (decorator.decorator.args if isinstance(decorator.decorator, cst.Call)
-                            else ()) if a.keyword is None or a.keyword.value not in
-                ("frozen", "kw_only")]
+        call = decorator.decorator if isinstance(decorator.decorator, cst.Call) else None
+        target = decorator.decorator if call is None else call.func
+        kept = [a for a in (() if call is None else call.args)
+                if a.keyword is None or a.keyword.value not in ("frozen", "kw_only")]
         extra = "".join(f", {info.module.code_for_node(a).strip().rstrip(',')}" for a in kept)
         text = f"{info.module.code_for_node(target)}({'frozen=True, ' if frozen else ''}" \
                f"kw_only=True{extra})"
@@ -398,25 +397,26 @@ def _rewrite_build(plan: Plan, build: cst.FunctionDef, meta: str) -> None:
 def _rewrite_common_reads(plan: Plan, fn: cst.FunctionDef, aliases: set[str]) -> None:
     """Upstream's ``CommonAttentionMetadata`` reads as the new one's."""
     info = plan.info
-    found: list[tuple[cst.CSTNode, str, str, bool]] = []  # node, alias, attr, is_call
+    found: list[tuple[cst.Call | cst.Attribute, str, str]] = []  # node, alias, attr
+    methods: set[cst.CSTNode] = set()  # the ``alias.method`` of the calls found
 
     class Visitor(cst.CSTVisitor):
         def visit_Call(self, node: cst.Call) -> None:
             f = node.func
             if isinstance(f, cst.Attribute) and isinstance(f.value, cst.Name) and \
                     f.value.value in aliases and f.attr.value in COMMON_METHODS:
-                found.append((node, f.value.value, f.attr.value, True))
+                found.append((node, f.value.value, f.attr.value))
+                methods.add(f)
 
         def visit_Attribute(self, node: cst.Attribute) -> None:
             if isinstance(node.value, cst.Name) and node.value.value in aliases:
-                found.append((node, node.value.value, node.attr.value, False))
+                found.append((node, node.value.value, node.attr.value))
 
     fn.body.visit(Visitor())
-    calls = {id(n.func) for n, _, _, is_call in found if is_call}  # type: ignore[attr-defined]
-    for node, alias, attr, is_call in found:
-        if is_call:
+    for node, alias, attr in found:
+        if isinstance(node, cst.Call):
             plan.replace(node, expression(COMMON_METHODS[attr].format(c=alias)))
-        elif id(node) in calls:
+        elif node in methods:
             continue
         elif attr in COMMON_RENAMED:
             plan.replace(node, expression(f"{alias}.{COMMON_RENAMED[attr]}"))
