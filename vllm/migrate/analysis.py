@@ -278,17 +278,20 @@ def _read_class(info: ModuleInfo, node: cst.ClassDef) -> ClassInfo:
 
 
 def class_body(node: cst.ClassDef) -> list[cst.BaseStatement]:
-    body = node.body
-    if isinstance(body, cst.IndentedBlock):
-        return list(body.body)
-    return list(body.body)  # type: ignore[arg-type]
+    """The statements of a class body; a one-line body (``class A: x = 1``) gives its
+    small statements as they are."""
+    return list(node.body.body)  # type: ignore[arg-type]
+
+
+def suite_body(suite: cst.BaseSuite) -> list[cst.BaseStatement]:
+    """The statements of a block; those of a one-line suite (``if x: a; b``) as one line."""
+    if isinstance(suite, cst.IndentedBlock):
+        return list(suite.body)
+    return [cst.SimpleStatementLine(body=list(suite.body))]  # type: ignore[arg-type]
 
 
 def function_body(fn: cst.FunctionDef) -> list[cst.BaseStatement]:
-    body = fn.body
-    if isinstance(body, cst.IndentedBlock):
-        return list(body.body)
-    return [cst.SimpleStatementLine(body=list(body.body))]  # type: ignore[arg-type]
+    return suite_body(fn.body)
 
 
 def is_docstring(stmt: cst.BaseStatement) -> bool:

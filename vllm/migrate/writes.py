@@ -11,13 +11,13 @@ it. Everything else stays; a remaining cache write or slot-mapping read is repor
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
 import libcst as cst
 
-from vllm.migrate.analysis import ModuleInfo, dotted, target_names
+from vllm.migrate.analysis import ModuleInfo, dotted, suite_body, target_names
 
 WRITE_OPS: Final = {
     "reshape_and_cache_flash": "split",
@@ -65,9 +65,7 @@ class WriteFinding:
 
 def _units(block: cst.BaseSuite) -> Iterator[cst.BaseStatement]:
     """Every statement of ``block``, nested ones included (not inside nested defs)."""
-    body: Sequence[cst.BaseStatement] = block.body if isinstance(block, cst.IndentedBlock) \
-        else [cst.SimpleStatementLine(body=list(block.body))]  # type: ignore[arg-type]
-    for stmt in body:
+    for stmt in suite_body(block):
         yield stmt
         if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
             continue
