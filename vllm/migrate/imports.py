@@ -129,60 +129,13 @@ class ImportRewriter(cst.CSTTransformer):
         body: list[cst.BaseSmallStatement] = []
         kept_legacy: list[tuple[str, str, str]] = []
         for small in updated.body:
-            if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
-                module = module_name(small.module, len(small.relative))
-                names = []
-                for alias in small.names:
-                    local = alias_local(alias)
-                    name = dotted(alias.name) or ""
-                    legacy = is_legacy_module(module) or is_legacy_module(f"{module}.{name}")
-                    if module in ("typing", "typing_extensions") and local not in self.used:
-                        continue  # made unused by the rewrite (a legacy signature's Any)
-                    if module in NEW_API_MODULES:
-                        self.plan.needed.get(module, set()).discard(name)
-                    if not legacy:
-                        names.append(alias)
-                        continue
-                    if local not in self.used or (local in self.plan.defined
-                                                  and alias.asname is None):
-                        continue
-                    new = NEW_API.get(name)
-                    if new is not None and alias.asname is None:
-                        self.plan.need(*new)
-                        continue
-                    names.append(alias)
-                    kept_legacy.append(_advice(local, name, module))
-                wanted = self.plan.needed.pop(module, set()) if not is_legacy_module(module) \
-                    and not small.relative else set()
-                have = {dotted(a.name) for a in names}
-                for extra in sorted(wanted - have):
-                    names.append(cst.ImportAlias(name=cst.Name(extra)))
-                if len(names) == len(small.names) and not wanted - have:
-                    body.append(small)  # nothing dropped or added: as it was written
-                elif names:
-                    if wanted - have and all(a.asname is None for a in names):
-                        body.append(_from_import(module, [dotted(a.name) or "" for a in names]
-                                                 ).body[0])
-                        continue
-                    last = names[-1].with_changes(comma=small.names[-1].comma)
-                    body.append(small.with_changes(names=[*names[:-1], last]))
+            new: cst.BaseSmallStatement | None = small
+            if isinstance(small, cst.ImportFrom):
+                new = self._import_from(small, kept_legacy)
             elif isinstance(small, cst.Import):
-                names = []
-                for alias in small.names:
-                    local = alias_local(alias)
-                    full = dotted(alias.name) or ""
-                    if is_legacy_module(full):
-                        if local not in self.used:
-                            continue
-                        kept_legacy.append(_advice(local, "", full))
-                    names.append(alias)
-                if len(names) == len(small.names):
-                    body.append(small)
-                elif names:
-                    last = names[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
-                    body.append(small.with_changes(names=[*names[:-1], last]))
-            else:
-                body.append(small)
+                new = self._import(small, kept_legacy)
+            if new is not None:
+                body.append(new)
         if not body:
             return cst.RemoveFromParent()
         result = updated.with_changes(body=body)
@@ -195,6 +148,70 @@ class ImportRewriter(cst.CSTTransformer):
                 *result.leading_lines,
                 *(cst.EmptyLine(comment=cst.Comment(line)) for line in step.comment)])
         return result
+
+    def _import_from(self, small: cst.ImportFrom, kept_legacy: list[tuple[str, str, str]]
+                     ) -> cst.BaseSmallStatement | None:
+        """``small`` with its legacy names dropped, moved to the new API or kept (noted in
+        ``kept_legacy``), and the names the migrated code needs from its module added;
+        None when no name is left."""
+        if isinstance(small.names, cst.ImportStar):
+            return small
+        module = module_name(small.module, len(small.relative))
+        names = [alias for alias in small.names if self._keeps(module, alias, kept_legacy)]
+        wanted = self.plan.needed.pop(module, set()) if not is_legacy_module(module) \
+            and not small.relative else set()
+        missing = wanted - {dotted(a.name) for a in names}
+        names.extend(cst.ImportAlias(name=cst.Name(extra)) for extra in sorted(missing))
+        if len(names) == len(small.names) and not missing:
+            return small  # nothing dropped or added: as it was written
+        if not names:
+            return None
+        if missing and all(a.asname is None for a in names):
+            return _from_import(module, [dotted(a.name) or "" for a in names]).body[0]
+        last = names[-1].with_changes(comma=small.names[-1].comma)
+        return small.with_changes(names=[*names[:-1], last])
+
+    def _keeps(self, module: str, alias: cst.ImportAlias,
+               kept_legacy: list[tuple[str, str, str]]) -> bool:
+        """Whether ``from module import alias`` stays: a legacy name the module still uses
+        stays (noted in ``kept_legacy``) unless the new API has it, which is then needed
+        from there instead."""
+        local = alias_local(alias)
+        name = dotted(alias.name) or ""
+        if module in ("typing", "typing_extensions") and local not in self.used:
+            return False  # made unused by the rewrite (a legacy signature's Any)
+        if module in NEW_API_MODULES:
+            self.plan.needed.get(module, set()).discard(name)
+        if not (is_legacy_module(module) or is_legacy_module(f"{module}.{name}")):
+            return True
+        if local not in self.used or (local in self.plan.defined and alias.asname is None):
+            return False
+        new = NEW_API.get(name)
+        if new is not None and alias.asname is None:
+            self.plan.need(*new)
+            return False
+        kept_legacy.append(_advice(local, name, module))
+        return True
+
+    def _import(self, small: cst.Import, kept_legacy: list[tuple[str, str, str]]
+                ) -> cst.Import | None:
+        """``small`` without the legacy modules the module no longer uses (those it
+        still uses noted in ``kept_legacy``); None when none is left."""
+        names = []
+        for alias in small.names:
+            local = alias_local(alias)
+            full = dotted(alias.name) or ""
+            if is_legacy_module(full):
+                if local not in self.used:
+                    continue
+                kept_legacy.append(_advice(local, "", full))
+            names.append(alias)
+        if len(names) == len(small.names):
+            return small
+        if not names:
+            return None
+        last = names[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+        return small.with_changes(names=[*names[:-1], last])
 
     def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
         body: list[cst.BaseStatement] = list(updated.body)
