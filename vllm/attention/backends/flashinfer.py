@@ -11,19 +11,25 @@ Two registered classes share everything but the physical order of a block:
   automatic selection meets FLASHINFER first, and both declare the same
   capabilities, so a model never switches layout behind the caller's back.
 
-Metadata adds FlashInfer's CSR page description (built once per step by the
-builder); the wrapper is planned on every call, against a per-device workspace.
+Metadata adds FlashInfer's CSR page description, and the builder plans the
+wrappers (``plan()`` copies host arrays to the device, so it cannot run inside a CUDA
+graph): once per step and group, not per layer, outside ``forward``. Decode-only
+batches are planned into CUDA-graph wrappers whose device buffers stay put from step
+to step, so a graph captured over ``Attention.forward`` replays the plan of the step
+whose ``build`` ran last. ``docs/backends.md`` ("FlashInfer planning") gives the rules.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
 import torch
 
 from vllm.attention.backend import (
+    AttentionLayerSpec,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
     PagedAttentionMetadata,
@@ -33,16 +39,63 @@ from vllm.attention.backend import (
 )
 from vllm.attention.backends.standard import StandardBackend, StandardImpl
 from vllm.attention.backends.vendor_kernels import HALF, VendorCall, VendorKernel
-from vllm.attention.errors import InvalidTypeError
+from vllm.attention.errors import InvalidArgumentError, InvalidTypeError
 from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
 
 WORKSPACE_BYTES: Final = 128 * 1024 * 1024
-"""FlashInfer's float workspace, one per device, shared by every layer."""
+"""FlashInfer's float workspace, one per device, shared by every wrapper."""
+
+GRAPH_MAX_PAGES: Final = 1 << 20
+"""Pages the CUDA-graph wrappers' index buffer holds (4 MiB of int32, one buffer per
+builder): a decode batch using more pages is planned into an ordinary wrapper and its
+metadata says ``cuda_graph_safe=False``."""
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """What a FlashInfer plan fixes besides the batch: one per distinct layer shape."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    causal: bool
+    scale: float
+    window_left: int
+    logits_soft_cap: float | None
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    kv_layout: str
+    """``"NHD"`` or ``"HND"``: the physical order of a block FlashInfer addresses."""
+
+    @classmethod
+    def of(cls, spec: AttentionLayerSpec, *, block_size: int, causal: bool,
+           q_dtype: torch.dtype, kv_dtype: torch.dtype, hnd: bool) -> PlanKey:
+        window = spec.sliding_window
+        return cls(
+            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size, block_size=block_size, causal=causal,
+            scale=spec.scale, window_left=-1 if window is None else window - 1,
+            logits_soft_cap=spec.logits_soft_cap, q_dtype=q_dtype, kv_dtype=kv_dtype,
+            kv_layout="HND" if hnd else "NHD",
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class FlashInferPlan:
+    """A planned wrapper; valid while its wrapper's last plan is this one (``epoch``)."""
+
+    key: PlanKey
+    wrapper: Any
+    epoch: int
+    cuda_graph: bool
+    """Planned into a CUDA-graph wrapper (its buffers outlive the step)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class FlashInferMetadata(PagedAttentionMetadata):
-    """The paged batch plus FlashInfer's CSR description of each request's pages."""
+    """The paged batch, FlashInfer's CSR description of each request's pages, and the
+    plans the builder made for it."""
 
     paged_kv_indptr_cpu: torch.Tensor
     """``[num_reqs + 1]`` int32 on the host: request ``i``'s pages are
@@ -51,6 +104,17 @@ class FlashInferMetadata(PagedAttentionMetadata):
     """``[total_pages]`` int32 on the compute device: block ids, request-major."""
     paged_kv_last_page_len_cpu: torch.Tensor
     """``[num_reqs]`` int32 on the host: tokens used in each request's last page (1..bs)."""
+    planner: FlashInferPlanner | None = field(default=None, compare=False, repr=False)
+    """The builder's planner (None where FlashInfer cannot run: nothing is planned)."""
+    plans: dict[PlanKey, FlashInferPlan] = field(default_factory=dict, compare=False, repr=False)
+    """Plans made by ``build`` for the layer shapes the builder has served, plus any
+    made on first use in ``forward``."""
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Every plan of this step is in a CUDA-graph wrapper: a graph captured over a
+        layer's forward replays correctly after this step's ``build``."""
+        return bool(self.plans) and all(p.cuda_graph for p in self.plans.values())
 
 
 def _csr_pages(common: CommonAttentionMetadata) -> dict[str, Any]:
@@ -70,24 +134,147 @@ def _csr_pages(common: CommonAttentionMetadata) -> dict[str, Any]:
     }
 
 
-class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
-    def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
-        return FlashInferMetadata(**common_fields(common), **_csr_pages(common))
-
-
 @functools.cache
 def _workspace(device: str) -> torch.Tensor:
     return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
+def _import_flashinfer() -> Any:
+    import flashinfer
+
+    return flashinfer
+
+
+class FlashInferPlanner:
+    """The wrappers of one metadata builder, and the buffers CUDA graphs replay.
+
+    * decode-only batches (every query length 1) of ``n`` requests: one CUDA-graph
+      wrapper per (plan key, ``n``), all reading one set of device buffers the builder
+      owns (page indices up to ``graph_max_pages``, indptr and last-page lengths);
+    * every other batch: one ordinary wrapper per plan key.
+
+    A wrapper holds the last plan made into it; each plan bumps its epoch, so metadata
+    planned earlier is re-planned (eagerly) before it runs again, never run stale.
+    The keys served so far are remembered: ``build`` plans each of them up front.
+    """
+
+    def __init__(self, device: torch.device, *, graph_max_pages: int = GRAPH_MAX_PAGES) -> None:
+        self.device = device
+        self.graph_max_pages = graph_max_pages
+        self.known_keys: list[PlanKey] = []
+        self._wrappers: dict[tuple[PlanKey, int | None], Any] = {}
+        self._epochs: dict[int, int] = {}
+        self._graph_buffers: dict[str, torch.Tensor] = {}
+        self.num_plans = 0
+
+    def is_current(self, plan: FlashInferPlan) -> bool:
+        return self._epochs.get(id(plan.wrapper)) == plan.epoch
+
+    def _graph_buffer(self, name: str, size: int) -> torch.Tensor:
+        buf = self._graph_buffers.get(name)
+        if buf is None or buf.numel() < size:
+            if buf is not None:  # grow only the per-request arrays: a few bytes a request
+                size = max(size, 2 * buf.numel())
+            buf = torch.zeros(size, dtype=torch.int32, device=self.device)
+            self._graph_buffers[name] = buf
+        return buf
+
+    def _wrapper(self, key: PlanKey, graph_reqs: int | None) -> Any:
+        wrapper = self._wrappers.get((key, graph_reqs))
+        if wrapper is not None:
+            return wrapper
+        fi = _import_flashinfer()
+        ws = _workspace(str(self.device))
+        if graph_reqs is None:
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(ws, key.kv_layout)
+        else:
+            n = graph_reqs
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+                ws, key.kv_layout, use_cuda_graph=True,
+                qo_indptr_buf=self._graph_buffer("qo_indptr", n + 1)[: n + 1],
+                paged_kv_indptr_buf=self._graph_buffer("kv_indptr", n + 1)[: n + 1],
+                paged_kv_indices_buf=self._graph_buffer("kv_indices", self.graph_max_pages),
+                paged_kv_last_page_len_buf=self._graph_buffer("last_page_len", n)[:n],
+            )
+        self._wrappers[(key, graph_reqs)] = wrapper
+        return wrapper
+
+    def plan(self, key: PlanKey, meta: FlashInferMetadata) -> FlashInferPlan:
+        """Plan ``key`` for ``meta``'s batch (host-to-device copies: never under capture)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise InvalidArgumentError(
+                "attn_metadata", "a FlashInfer batch not planned for this layer's shape",
+                "metadata whose build() planned it before CUDA graph capture: run one step "
+                "eagerly first, so the builder learns the layer's shape and dtypes",
+            )
+        if key not in self.known_keys:
+            self.known_keys.append(key)
+        pages = int(meta.paged_kv_indptr_cpu[-1]) if meta.num_reqs else 0
+        decode = meta.num_reqs > 0 and meta.max_query_len == 1
+        graph = decode and pages <= self.graph_max_pages
+        wrapper = self._wrapper(key, meta.num_reqs if graph else None)
+        wrapper.plan(
+            meta.query_start_loc_cpu, meta.paged_kv_indptr_cpu, meta.paged_kv_indices,
+            meta.paged_kv_last_page_len_cpu, key.num_heads, key.num_kv_heads,
+            key.head_size, key.block_size,
+            causal=key.causal, sm_scale=key.scale, window_left=key.window_left,
+            logits_soft_cap=key.logits_soft_cap,
+            q_data_type=key.q_dtype, kv_data_type=key.kv_dtype,
+        )
+        self.num_plans += 1
+        epoch = self._epochs.get(id(wrapper), 0) + 1
+        self._epochs[id(wrapper)] = epoch
+        return FlashInferPlan(key, wrapper, epoch, cuda_graph=graph)
+
+
+class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
+    """Builds the CSR page description and plans every layer shape served so far.
+
+    The planner exists where FlashInfer's kernel can run on the builder's device. A
+    builder learns a layer shape (heads, scale, window, dtypes) at the first
+    ``forward`` that needs it (planned then, eagerly); every later ``build`` plans it
+    up front, outside any CUDA graph.
+    """
+
+    def __init__(self, spec: AttentionLayerSpec, device: torch.device) -> None:
+        super().__init__(spec, device)
+        self.planner: FlashInferPlanner | None = (
+            FlashInferPlanner(device) if FLASHINFER_KERNEL.unavailable_reason(device) is None
+            else None
+        )
+
+    def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        meta = FlashInferMetadata(**common_fields(common), **_csr_pages(common),
+                                  planner=self.planner)
+        if self.planner is not None and common.num_reqs:
+            for key in self.planner.known_keys:
+                if key.block_size == common.block_size and key.causal == common.causal:
+                    meta.plans[key] = self.planner.plan(key, meta)
+        return meta
+
+
+_SCALES: dict[int, tuple[weakref.ref[torch.Tensor], int, float]] = {}
+
+
+def host_scale(t: torch.Tensor) -> float:
+    """``float(t)`` for a one-element scale, read from the device once per version of
+    the tensor (so a warmed-up call reads no device value, also under graph capture)."""
+    hit = _SCALES.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        return hit[2]
+    value = float(t.reshape(-1)[0].item())
+    if len(_SCALES) > 256:
+        _SCALES.clear()
+    _SCALES[id(t)] = (weakref.ref(t), t._version, value)
+    return value
+
+
 @dataclass(frozen=True)
 class FlashInferPagedKernel(VendorKernel):
-    """``flashinfer.BatchPrefillWithPagedKVCacheWrapper``: one plan + run per call
-    (prefill and decode rows alike); fp8 caches with one scale per tensor."""
+    """``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` (FlashInfer picks its sm90
+    kernels on Hopper), planned by the builder; fp8 caches with one scale per tensor."""
 
     def run(self, call: VendorCall) -> None:
-        import flashinfer
-
         meta = call.meta
         if not isinstance(meta, FlashInferMetadata):
             raise InvalidTypeError("attn_metadata", type(meta).__name__, "FlashInferMetadata")
@@ -95,26 +282,24 @@ class FlashInferPagedKernel(VendorKernel):
         if n == 0:
             return
         hnd = call.layout is KVCacheLayout.SPLIT_HND
-        wrapper: Any = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            _workspace(str(kv.device)), "HND" if hnd else "NHD"
-        )
-        wrapper.plan(
-            meta.query_start_loc_cpu, meta.paged_kv_indptr_cpu, meta.paged_kv_indices,
-            meta.paged_kv_last_page_len_cpu, spec.num_heads, spec.num_kv_heads,
-            spec.head_size, kv.block_size,
-            causal=call.causal, sm_scale=spec.scale,
-            window_left=-1 if call.window_left is None else call.window_left,
-            logits_soft_cap=spec.logits_soft_cap,
-            q_data_type=call.query.dtype, kv_data_type=call.kv_cache.dtype,
-        )
+        key = PlanKey.of(spec, block_size=kv.block_size, causal=call.causal,
+                         q_dtype=call.query.dtype, kv_dtype=call.kv_cache.dtype, hnd=hnd)
+        planner = meta.planner
+        if planner is None:  # metadata built where FlashInfer could not run
+            planner = FlashInferPlanner(kv.device)
+            object.__setattr__(meta, "planner", planner)
+        plan = meta.plans.get(key)
+        if plan is None or not planner.is_current(plan):
+            plan = planner.plan(key, meta)
+            meta.plans[key] = plan
         # HND: hand FlashInfer the physical (nb, 2, H, bs, D) tensor it addresses.
         cache = call.kv_cache.permute(0, 1, 3, 2, 4) if hnd else call.kv_cache
         scaled = kv.cache_dtype != "auto"
         out = call.output[:n]
-        result = wrapper.run(
+        result = plan.wrapper.run(
             call.query[:n], cache,
-            k_scale=float(kv.k_scale.item()) if scaled else None,
-            v_scale=float(kv.v_scale.item()) if scaled else None,
+            k_scale=host_scale(kv.k_scale) if scaled else None,
+            v_scale=host_scale(kv.v_scale) if scaled else None,
             out=out if out.is_contiguous() else None,
         )
         if result.data_ptr() != out.data_ptr():
