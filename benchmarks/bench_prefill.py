@@ -30,8 +30,10 @@ TRITON_ATTN / FLASH_ATTN, >= 0.50 for FLEX_ATTENTION). ``rel_err`` compares each
 with the baseline's (both bf16).
 
 Decode section: batch 64 x 4096-token contexts through ``Attention``, FLEX_ATTENTION
-against TRITON_ATTN (target >= 0.50), with the K/V read rate against a device copy
-(``copy_``) measured in the same run: the Triton row is the unchanged decode kernel.
+(target >= 0.50), FLASHINFER and FLASH_ATTN (the vendor paths where they import)
+against TRITON_ATTN, with the K/V read rate against a device copy (``copy_``) measured
+in the same run: the Triton row is the unchanged decode kernel. FLASHINFER rows add
+``build``: the builder's time per step (FlashInfer plans there, once for every layer).
 
     python benchmarks/bench_prefill.py --out DIR      # DIR/prefill.json and prefill.txt
 
@@ -215,10 +217,11 @@ def _layer_for(name: str, shape: Shape, args: argparse.Namespace, device: torch.
     if shape.k_ctx.shape[0]:
         layer.kv_cache_writer.write(shape.k_ctx, shape.v_ctx, cache, shape.batch.context_slots,
                                     layer.kv_quant)
-    meta = backend.get_builder_cls()(layer.spec, device).build(shape.batch.common)
+    builder = backend.get_builder_cls()(layer.spec, device)
+    meta = builder.build(shape.batch.common)
     with set_forward_context(attn_metadata={layer.layer_name: meta},
                              slot_mapping={layer.layer_name: shape.batch.new_slots}):
-        yield layer, meta, cache
+        yield layer, meta, cache, builder
     del layer, cache
 
 
@@ -273,7 +276,7 @@ def bench_prefill_shape(shape: Shape, args: argparse.Namespace, device: torch.de
             continue
         out = torch.empty_like(shape.q)
         label = name if force is None else f"{name} [flash_varlen {force}]"
-        with _layer_for(name, shape, args, device) as (layer, meta, cache), \
+        with _layer_for(name, shape, args, device) as (layer, meta, cache, builder), \
                 _flash_varlen(force):
             impl: Any = layer.impl
 
@@ -297,10 +300,20 @@ def bench_prefill_shape(shape: Shape, args: argparse.Namespace, device: torch.de
                     ratio=None if base_us is None else base_us / t, rel_err=err,
                     first_call_s=first_s if what == "layer" else None,
                     note="; ".join(impl.last_fallbacks)))
+            if name.startswith("FLASHINFER"):
+                rows.append(_build_row(shape, label, builder, args, device))
             if name == "TRITON_ATTN" and force is None and device.type == "cuda":
                 rows.append(_op_triton_row(shape, layer, meta, out, args, device, ref_out,
                                            base_us))
     return rows
+
+
+def _build_row(shape: Shape, label: str, builder: Any, args: argparse.Namespace,
+               device: torch.device) -> dict[str, Any]:
+    """The builder's per-step cost (FlashInfer plans there, once for all layers)."""
+    t = _time(lambda: builder.build(shape.batch.common), args, device)
+    return dict(shape=shape.name, impl=label, what="build", path="-", time_us=t,
+                note="metadata + plan, once per step and KV-cache group")
 
 
 def _op_triton_row(shape: Shape, layer: Attention, meta: Any, out: torch.Tensor,
@@ -330,16 +343,21 @@ def _op_triton_row(shape: Shape, layer: Attention, meta: Any, out: torch.Tensor,
 
 def bench_decode(args: argparse.Namespace, device: torch.device, g: torch.Generator
                  ) -> list[dict[str, Any]]:
-    """FLEX_ATTENTION decode against TRITON_ATTN's, with the K/V read rate."""
+    """FLEX_ATTENTION's and the vendor paths' decode against TRITON_ATTN's, with the
+    K/V read rate (FLASHINFER where it imports; FLASH_ATTN's row names what ran)."""
     b, ctx = args.decode_batch, args.decode_context
     shape = Shape("decode", [ctx - 1] * b, [1] * b, args, device, g)
     kv_bytes = 2 * b * ctx * args.kv_heads * args.head_size * shape.q.element_size()
     copy_gbps = copy_ceiling_gbps(device, gib=1.0) if device.type == "cuda" else None
     rows: list[dict[str, Any]] = []
     triton_us: float | None = None
-    for name in ("TRITON_ATTN", "FLEX_ATTENTION"):
+    for name in ("TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER", "FLASH_ATTN"):
+        if name not in ("TRITON_ATTN", *args.backends):
+            continue
+        if name == "FLASHINFER" and not _importable("flashinfer"):
+            continue
         out = torch.empty_like(shape.q)
-        with _layer_for(name, shape, args, device) as (layer, meta, cache):
+        with _layer_for(name, shape, args, device) as (layer, meta, cache, _):
             impl: Any = layer.impl
 
             def step() -> Any:

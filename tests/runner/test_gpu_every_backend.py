@@ -4,7 +4,8 @@
 * standard backends: the tiny HF Llama, greedy tokens equal ``transformers``
   (computed on CPU in float32), eager, under CUDA graphs, and with chunked prefill
   (a 5-token budget); float32 where the backend takes it, else bfloat16 compared up
-  to the reference's first near-tie;
+  to the reference's first near-tie; where a vendor kernel imports (flashinfer,
+  flash-attn), the case fails unless that kernel ran;
 * MLA backends: the random DeepSeek-style model, greedy tokens equal the float64
   dense recomputation of ``test_mla.py``;
 * the adapted legacy examples (``module:Class``): equal ``transformers`` in float32.
@@ -228,7 +229,7 @@ def check_standard(name: str, hf: HFCheckpoint, device: torch.device, variant: s
     """Serve the tiny Llama through ``name`` on ``device`` and compare with HF."""
     row = Row(name, "standard", variant, device.type)
     with _reported(row):
-        _admit(row, name, load_config(hf.path), device)
+        backend = _admit(row, name, load_config(hf.path), device)
         engine = LLMEngine.create(hf.path, backend=name, dtype=row.dtype, device=device,
                                   engine_config=_variant(variant))
         steps = spy_step_tokens(engine)
@@ -236,6 +237,9 @@ def check_standard(name: str, hf: HFCheckpoint, device: torch.device, variant: s
         what = (f"{name} [{variant}] on {device.type} ({row.dtype}, path ran: {row.paths}, "
                 f"declared: {row.declared_path}; {engine.describe()})")
         row.compared_tokens = _compare_hf(got, hf, row.dtype, what)
+        vendor = {k.name for k in getattr(backend, "vendor_kernels", ())}
+        if row.declared_path in vendor:  # a vendor kernel imports here: it served the tokens
+            assert row.declared_path in row.paths.split("+"), f"{what}: the vendor path never ran"
         if variant == "chunked":
             assert max(steps) <= CHUNK_BUDGET, f"{what}: a step of {max(steps)} tokens"
         uses_graphs = device.type == "cuda" and variant != "eager"

@@ -1,6 +1,7 @@
 """On CUDA: the cached launcher binds and writes the reference's bytes; the write and a
 whole decode step (write + attention, fused RoPE) capture into a CUDA graph and replay
-with -1 padding slots; the tiled kernel's hardware fp8 conversion equals the reference
+with -1 padding slots, on the Triton path and on each vendor path that imports here
+(FlashInfer's graph wrappers also replay a later batch once it is built); the tiled kernel's hardware fp8 conversion equals the reference
 on rounding edges; a compiled decoder layer matches eager.
 
 Marked ``gpu`` (skipped with the reason without CUDA). Launch cost is measured by
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from tests.helpers import any_scale_quant, every_16_bit_pattern, fill_random_byt
 from tests.writers.oracle import edge_values
 from vllm.attention import KVQuant, allocate_kv_cache
 from vllm.attention.backends.triton_attn import TritonAttentionBackend
-from vllm.attention.batch import make_paged_batch
+from vllm.attention.batch import PagedBatch, make_paged_batch
 from vllm.attention.layer import Attention
 from vllm.attention.layouts import split_kv_views
 from vllm.attention.rope import RoPE, rotate_reference
@@ -315,20 +317,44 @@ def test_mla_write_replays_in_a_cuda_graph() -> None:
     assert torch.equal(raw(cache), raw(want))
 
 
-def test_decode_step_replays_in_a_cuda_graph_with_padding() -> None:
-    """Write (fused RoPE) + attention of one layer, 3 requests padded to 4 rows."""
+# (backend, the compute path a decode step runs there): vendor rows skip where the
+# vendor package does not import (or the GPU is not one it runs on).
+_GRAPH_PATHS = [("TRITON_ATTN", "triton"), ("FLASHINFER", "flashinfer"),
+                ("FLASHINFER_HND", "flashinfer"), ("FLASH_ATTN", "flash_attn.cute")]
+
+
+def _graph_layer(name: str, path: str, batch: PagedBatch, bs: int, hq: int, hkv: int, d: int
+                 ) -> tuple[Attention, torch.Tensor, Any]:
+    from vllm.attention.backends.standard import StandardBackend
+    from vllm.attention.registry import get_backend
+
+    backend = get_backend(name)
+    if path != "triton":
+        assert issubclass(backend, StandardBackend)
+        kernel = next(k for k in backend.vendor_kernels if k.name == path)
+        reason = kernel.unavailable_reason(torch.device(DEV))
+        if reason is not None:
+            pytest.skip(f"{path}: {reason}")
+    layer = Attention(num_heads=hq, num_kv_heads=hkv, head_size=d, scale=d ** -0.5,
+                      backend=backend, layer_name="g0")
+    cache = allocate_kv_cache(backend, num_blocks=batch.num_blocks, block_size=bs,
+                              num_kv_heads=hkv, head_size=d, model_dtype=torch.bfloat16,
+                              device=DEV)
+    cache.normal_()
+    layer.bind_kv_cache(cache, bs)
+    builder = backend.get_builder_cls()(layer.spec, torch.device(DEV))
+    return layer, cache, builder
+
+
+@pytest.mark.parametrize(("name", "path"), _GRAPH_PATHS)
+def test_decode_step_replays_in_a_cuda_graph_with_padding(name: str, path: str) -> None:
+    """Write (fused RoPE) + attention of one layer, 3 requests padded to 4 rows, on each
+    compute path: the replay equals the eager step bit for bit."""
     bs, hq, hkv, d = 16, 8, 2, 128
     batch = make_paged_batch([1, 1, 1], [40, 17, 300], block_size=bs, device=DEV,
                              generator=torch.Generator().manual_seed(0))
-    layer = Attention(num_heads=hq, num_kv_heads=hkv, head_size=d, scale=d ** -0.5,
-                      backend=TritonAttentionBackend, layer_name="g0")
-    cache = allocate_kv_cache(TritonAttentionBackend, num_blocks=batch.num_blocks,
-                              block_size=bs, num_kv_heads=hkv, head_size=d,
-                              model_dtype=torch.bfloat16, device=DEV)
-    cache.normal_()
-    layer.bind_kv_cache(cache, bs)
-    meta = TritonAttentionBackend.get_builder_cls()(layer.spec, torch.device(DEV)).build(
-        batch.common)
+    layer, cache, builder = _graph_layer(name, path, batch, bs, hq, hkv, d)
+    meta = builder.build(batch.common)
     rope = RoPE.build(d, 1024, device=DEV)
     q = torch.zeros(4, hq, d, dtype=torch.bfloat16, device=DEV)
     k = torch.zeros(4, hkv, d, dtype=torch.bfloat16, device=DEV)
@@ -343,6 +369,7 @@ def test_decode_step_replays_in_a_cuda_graph_with_padding() -> None:
 
     with set_forward_context(**ctx):  # type: ignore[arg-type]
         graph = _graph(step)
+    assert layer.impl.last_compute_path == path
     g = torch.Generator().manual_seed(1)
     q_in = torch.randn(4, hq, d, generator=g).to(torch.bfloat16).to(DEV)
     k_in = torch.randn(4, hkv, d, generator=g).to(torch.bfloat16).to(DEV)
@@ -353,6 +380,7 @@ def test_decode_step_replays_in_a_cuda_graph_with_padding() -> None:
     # eager, on the same inputs
     with set_forward_context(attn_metadata={"g0": meta}, slot_mapping={"g0": real_slots}):
         want = layer(q_in.clone(), k_in, v_in, positions=real_pos, rope=rope)
+    assert layer.impl.last_compute_path == path
     want_cache = cache.clone()
     cache.copy_(start)
     for src, dst in ((q_in, q), (k_in, k), (v_in, v), (real_slots, slots), (real_pos, positions)):
@@ -361,6 +389,51 @@ def test_decode_step_replays_in_a_cuda_graph_with_padding() -> None:
     torch.cuda.synchronize()
     assert torch.equal(raw(cache), raw(want_cache))
     assert torch.equal(out[:3].view(torch.int16), want[:3].view(torch.int16))
+
+
+@pytest.mark.parametrize("name", ["FLASHINFER", "FLASHINFER_HND"])
+def test_flashinfer_graph_replays_the_plan_of_the_last_build(name: str) -> None:
+    """A graph captured over one decode batch replays another batch of as many requests
+    once the builder has built (planned) it: other lengths, other blocks."""
+    bs, hq, hkv, d = 16, 8, 2, 128
+    g = torch.Generator().manual_seed(2)
+    first = make_paged_batch([1, 1, 1], [40, 17, 300], block_size=bs, num_blocks=200,
+                             device=DEV, generator=g)
+    layer, cache, builder = _graph_layer(name, "flashinfer", first, bs, hq, hkv, d)
+    q = torch.randn(3, hq, d, generator=g).to(torch.bfloat16).to(DEV)
+    k = torch.randn(3, hkv, d, generator=g).to(torch.bfloat16).to(DEV)
+    v = torch.randn(3, hkv, d, generator=g).to(torch.bfloat16).to(DEV)
+    out = torch.zeros_like(q)
+    slots = first.new_slots.clone()
+    meta = builder.build(first.common)
+    with set_forward_context(attn_metadata={"g0": meta}, slot_mapping={"g0": slots}):
+        graph = _graph(lambda: layer(q, k, v, out))
+    second = make_paged_batch([1, 1, 1], [900, 3, 64], block_size=bs, num_blocks=200,
+                              device=DEV, generator=g)
+    meta2 = builder.build(second.common)
+    assert meta2.cuda_graph_safe
+    for src, dst in ((torch.randn(3, hq, d, generator=g), q), (torch.randn(3, hkv, d, generator=g), k),
+                     (torch.randn(3, hkv, d, generator=g), v)):
+        dst.copy_(src.to(torch.bfloat16))
+    slots.copy_(second.new_slots)
+    start = cache.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    got, got_cache = out.clone(), cache.clone()
+    cache.copy_(start)
+    with set_forward_context(attn_metadata={"g0": meta2}, slot_mapping={"g0": slots}):
+        want = layer(q.clone(), k, v)
+    assert torch.equal(raw(got_cache), raw(cache))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # and against float64 over the blocks the second batch names
+    for i, n in enumerate(second.common.seq_lens_cpu.tolist()):
+        blocks = second.common.block_table[i, : -(-n // bs)].tolist()
+        kk = cache[blocks, 0].reshape(-1, hkv, d)[:n].double()
+        vv = cache[blocks, 1].reshape(-1, hkv, d)[:n].double()
+        s = torch.einsum("hd,khd->hk", q[i].double(), kk.repeat_interleave(hq // hkv, 1))
+        p = torch.softmax(s * d ** -0.5, -1)
+        ref = torch.einsum("hk,khd->hd", p, vv.repeat_interleave(hq // hkv, 1))
+        assert float((got[i].double() - ref).norm() / ref.norm()) < 1e-2
 
 
 def test_compiled_decoder_layer_matches_eager_on_cuda() -> None:
