@@ -3,7 +3,13 @@
 #   tests  - every gpu-marked test, one pytest process per area (a CUDA fault in one
 #            area cannot poison the next), full logs
 #   check  - `vllm-attn backends` and `vllm-attn check` on CUDA
-#   bench  - every benchmarks/bench_*.py with --out
+#   bench  - every benchmarks/bench_*.py with --out (BENCHES picks scripts, BENCH_ARGS
+#            adds options to each, BENCH_DIR names the results' subfolder)
+#   vendor - the GPU tests named in VENDOR_TESTS (node ids), logged as
+#            test_vendor_$VENDOR_NAME.txt: the vendor paths once their packages are there
+# Vendor packages staged by ../shared/tools/stage-flash-attn-4 (/tmp/fa4site) or
+# stage-wheels NAME (/tmp/NAME-site) are registered as site directories (their .pth files
+# run), for this script and every Python process it starts.
 # Results go to one folder named <date>-<commit> (UTC date, short commit of the checkout;
 # "-modified" when tracked files differ from that commit; RESULTS_NAME overrides), with
 # commit.txt and env.txt saying what ran where. The folder is tarred into
@@ -27,7 +33,10 @@ LOGS=/tmp/gpu_batch/$NAME
 mkdir -p "$LOGS" "$FINAL"
 { git rev-parse HEAD 2>/dev/null || echo "no git checkout"; git status --short --untracked-files=no 2>/dev/null; } > "$LOGS/commit.txt"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-[ -d /tmp/fa4site ] && export PYTHONPATH=$PYTHONPATH:/tmp/fa4site
+purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+for d in /tmp/fa4site /tmp/*-site; do
+  [ -d "$d" ] && echo "import site; site.addsitedir('$d')" > "$purelib/zz_staged_$(basename "$d").pth"
+done
 python3 - <<'PY' | tee "$LOGS/env.txt"
 import torch, triton
 print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())
@@ -36,6 +45,11 @@ try:
     print("flash_attn.cute importable", getattr(fa, "__version__", "?"))
 except Exception as e:
     print("flash_attn.cute not importable:", type(e).__name__, e)
+try:
+    import flashinfer
+    print("flashinfer importable", getattr(flashinfer, "__version__", "?"))
+except Exception as e:
+    print("flashinfer not importable:", type(e).__name__, e)
 PY
 run_tests() {  # name, timeout, paths...
   local name=$1 limit=$2; shift 2
@@ -54,6 +68,10 @@ if [[ "$what" == *" tests "* ]]; then
   [[ "$areas" == *" runner "* ]] && VLLM_GPU_REPORT_DIR=$LOGS run_tests runner ${T_RUNNER:-240} tests/runner
   [[ "$areas" == *" speed "* ]] && run_tests speed ${T_SPEED:-90} tests/speed
 fi
+if [[ "$what" == *" vendor "* ]]; then
+  # shellcheck disable=SC2086
+  run_tests "vendor_${VENDOR_NAME:-all}" ${T_VENDOR:-400} ${VENDOR_TESTS:?name the vendor tests}
+fi
 if [[ "$what" == *" backends "* ]]; then
   run_tests backends ${T_BACKENDS:-200} tests/backends
 fi
@@ -63,11 +81,13 @@ if [[ "$what" == *" check "* ]]; then
   echo "check rc=$?" | tee -a "$LOGS/summary.txt"; tail -n 25 "$LOGS/check_cuda.txt"
 fi
 if [[ "$what" == *" bench "* ]]; then
-  mkdir -p "$LOGS/bench"
+  bdir=$LOGS/${BENCH_DIR:-bench}
+  mkdir -p "$bdir"
   for b in ${BENCHES:-benchmarks/bench_*.py}; do
     name=$(basename "$b" .py)
-    timeout ${T_BENCH:-90} python3 "$b" --out "$LOGS/bench" > "$LOGS/bench/$name.txt" 2>&1
-    echo "$name rc=$?" | tee -a "$LOGS/summary.txt"; tail -n 12 "$LOGS/bench/$name.txt"
+    # shellcheck disable=SC2086
+    timeout ${T_BENCH:-90} python3 "$b" --out "$bdir" ${BENCH_ARGS:-} > "$bdir/$name.txt" 2>&1
+    echo "$name rc=$?" | tee -a "$LOGS/summary.txt"; tail -n 12 "$bdir/$name.txt"
   done
 fi
 tar -czf "$FINAL/$NAME.tgz" -C "$(dirname "$LOGS")" "$NAME"
