@@ -250,3 +250,28 @@ def test_host_scale_is_read_once_per_version() -> None:
     assert host_scale(t) == 0.25
     u = torch.tensor([2.0])
     assert host_scale(u) == 2.0 and host_scale(t) == 0.25
+
+
+def test_csr_pages_match_the_block_table_on_random_batches() -> None:
+    from vllm.attention.backend import CommonAttentionMetadata
+
+    g = torch.Generator().manual_seed(13)
+    for _ in range(20):
+        n = int(torch.randint(1, 6, (1,), generator=g))
+        lens = torch.randint(0, 90, (n,), generator=g).to(torch.int32)
+        width = int((lens.max() + BS - 1) // BS) + int(torch.randint(0, 3, (1,), generator=g))
+        table = torch.randint(0, 1000, (n, max(width, 1)), generator=g, dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32), seq_lens=lens,
+            block_table=table.t().contiguous().t(),  # a strided table, as a slice would be
+            query_start_loc_cpu=torch.arange(n + 1, dtype=torch.int32), seq_lens_cpu=lens,
+            num_reqs=n, num_actual_tokens=n, max_query_len=1,
+            max_seq_len=max(int(lens.max()), 1), block_size=BS)
+        csr = fi_backend._csr_pages(common)
+        want: list[int] = []
+        for i, s in enumerate(lens.tolist()):
+            want += table[i, : -(-s // BS)].tolist()
+        assert csr["paged_kv_indices"].tolist() == want
+        assert csr["paged_kv_indptr_cpu"][-1] == len(want)
+        used = [(s - 1) % BS + 1 if s else 0 for s in lens.tolist()]
+        assert csr["paged_kv_last_page_len_cpu"].tolist() == used

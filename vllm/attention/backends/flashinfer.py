@@ -118,14 +118,19 @@ class FlashInferMetadata(PagedAttentionMetadata):
 
 
 def _csr_pages(common: CommonAttentionMetadata) -> dict[str, Any]:
+    """The used pages of each request, request-major. Positions into the block table are
+    computed on the host from the host sequence lengths, so nothing waits on the device
+    (a boolean mask over the device table would)."""
     bs = common.block_size
     lens = common.seq_lens_cpu.to(torch.int64)
     pages = (lens + bs - 1) // bs
     indptr = torch.zeros(common.num_reqs + 1, dtype=torch.int32)
     indptr[1:] = torch.cumsum(pages, 0).to(torch.int32)
-    width = common.block_table.shape[1]
-    used = torch.arange(width).unsqueeze(0) < pages.unsqueeze(1)
-    indices = common.block_table[used.to(common.block_table.device)].to(torch.int32)
+    table = common.block_table
+    req = torch.repeat_interleave(torch.arange(common.num_reqs), pages)
+    col = torch.arange(req.numel()) - indptr[req].to(torch.int64)
+    flat = (req * table.shape[1] + col).to(table.device)
+    indices = table.reshape(-1).index_select(0, flat).to(torch.int32)
     last = torch.where(lens > 0, lens - (pages - 1) * bs, torch.zeros_like(lens))
     return {
         "paged_kv_indptr_cpu": indptr,
