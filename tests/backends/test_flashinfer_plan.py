@@ -35,6 +35,7 @@ from vllm.attention.backends.flashinfer import (
     host_scale,
 )
 from vllm.attention.batch import PagedBatch, make_paged_batch
+from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.layer import Attention
 from vllm.forward_context import set_forward_context
 
@@ -172,7 +173,8 @@ def test_build_plans_once_per_step_and_forward_only_a_new_shape(
     assert fake.num_plans == 0 and not meta.cuda_graph_safe  # no shape served yet
     _step(layers, caches, prefill, meta, seed=1)
     assert fake.num_plans == 1  # the first layer planned; the other two reused it
-    decode = make_paged_batch([1, 1, 1], [17, 40, 3], block_size=BS, num_blocks=40, generator=g)
+    decode = make_paged_batch([1, 1, 1, 1], [17, 40, 3, 9], block_size=BS, num_blocks=40,
+                              generator=g)
     meta = builder.build(decode.common)
     assert fake.num_plans == 2 and meta.cuda_graph_safe
     _step(layers, caches, decode, meta, seed=2)
@@ -203,9 +205,46 @@ def test_graph_wrappers_keep_their_buffers_and_stale_metadata_is_planned_again(
     _step(layers, caches, b, meta_b, seed=7)  # still current
     assert fake.num_plans == plans + 2
     assert [buf.data_ptr() for buf in plan_a.wrapper.bufs] == ptrs
-    three = make_paged_batch([1, 1, 1], [1, 2, 3], block_size=BS, num_blocks=64, generator=g)
-    meta3 = builder.build(three.common)
-    assert next(iter(meta3.plans.values())).wrapper is not plan_a.wrapper  # one per size
+    four = make_paged_batch([1, 1, 1, 1], [1, 2, 3, 4], block_size=BS, num_blocks=64,
+                            generator=g)
+    meta4 = builder.build(four.common)
+    assert next(iter(meta4.plans.values())).wrapper is not plan_a.wrapper  # one per size
+
+
+def test_graph_wrappers_only_for_the_declared_request_counts(
+        fake: _FakeFlashInfer, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(14)
+    layers, caches = _layers(FlashInferBackend, 1, 64)
+    builder = FlashInferBackend.get_builder_cls()(layers[0].spec, CPU)
+    assert builder.cuda_graph_sizes == fi_backend.CUDA_GRAPH_SIZES and 3 not in builder.cuda_graph_sizes
+    three = make_paged_batch([1, 1, 1], [30, 5, 60], block_size=BS, num_blocks=64, generator=g)
+    _step(layers, caches, three, builder.build(three.common), seed=15)
+    meta = builder.build(three.common)
+    assert not meta.cuda_graph_safe and not fake.wrappers[-1].graph
+    # a capture of it is refused by name, before FlashInfer sees it
+    monkeypatch.setattr(fi_backend, "_capturing", lambda: True)
+    with pytest.raises(InvalidArgumentError, match="attn_metadata.*cuda_graph_sizes"):
+        _step(layers, caches, three, meta, seed=16)
+    monkeypatch.setattr(fi_backend, "_capturing", lambda: False)
+    builder.cuda_graph_sizes = [3]
+    meta = builder.build(three.common)
+    assert meta.cuda_graph_safe and fake.wrappers[-1].graph
+    _step(layers, caches, three, meta, seed=17)
+    with pytest.raises(InvalidArgumentError, match="cuda_graph_sizes"):
+        builder.cuda_graph_sizes = [0, 2]
+
+
+def test_planning_under_capture_is_refused_by_name(
+        fake: _FakeFlashInfer, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(18)
+    layers, caches = _layers(FlashInferBackend, 1, 64)
+    builder = FlashInferBackend.get_builder_cls()(layers[0].spec, CPU)
+    batch = make_paged_batch([1, 1], [30, 5], block_size=BS, num_blocks=64, generator=g)
+    meta = builder.build(batch.common)  # the builder has not met the shape yet
+    monkeypatch.setattr(fi_backend, "_capturing", lambda: True)
+    with pytest.raises(InvalidArgumentError, match="run one step eagerly first"):
+        _step(layers, caches, batch, meta, seed=19)
+    assert fake.num_plans == 0
 
 
 def test_a_decode_batch_past_the_graph_buffer_gets_an_ordinary_wrapper(

@@ -343,6 +343,8 @@ def _graph_layer(name: str, path: str, batch: PagedBatch, bs: int, hq: int, hkv:
     cache.normal_()
     layer.bind_kv_cache(cache, bs)
     builder = backend.get_builder_cls()(layer.spec, torch.device(DEV))
+    if path == "flashinfer":  # the request count these graphs capture
+        builder.cuda_graph_sizes = [batch.common.num_reqs]
     return layer, cache, builder
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
@@ -49,6 +50,17 @@ GRAPH_MAX_PAGES: Final = 1 << 20
 """Pages the CUDA-graph wrappers' index buffer holds (4 MiB of int32, one buffer per
 builder): a decode batch using more pages is planned into an ordinary wrapper and its
 metadata says ``cuda_graph_safe=False``."""
+
+CUDA_GRAPH_SIZES: Final = frozenset({1, 2, 4, 8, 16, 32, 64, 128, 256, 512})
+"""Request counts of the decode batches planned into CUDA-graph wrappers by default.
+Each such wrapper holds FlashInfer's 8 MiB integer workspace on the device and as much
+pinned host memory, so one per request count a server happens to meet would add up; a
+caller that captures other sizes names them (``FlashInferMetadataBuilder.cuda_graph_sizes``),
+as a runner pads its decode batches to the sizes it captures."""
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass(frozen=True)
@@ -153,9 +165,10 @@ def _import_flashinfer() -> Any:
 class FlashInferPlanner:
     """The wrappers of one metadata builder, and the buffers CUDA graphs replay.
 
-    * decode-only batches (every query length 1) of ``n`` requests: one CUDA-graph
-      wrapper per (plan key, ``n``), all reading one set of device buffers the builder
-      owns (page indices up to ``graph_max_pages``, indptr and last-page lengths);
+    * decode-only batches (every query length 1) of ``n`` requests, ``n`` in
+      ``cuda_graph_sizes``: one CUDA-graph wrapper per (plan key, ``n``), all reading
+      one set of device buffers the builder owns (page indices up to
+      ``graph_max_pages``, indptr and last-page lengths);
     * every other batch: one ordinary wrapper per plan key.
 
     A wrapper holds the last plan made into it; each plan bumps its epoch, so metadata
@@ -163,9 +176,11 @@ class FlashInferPlanner:
     The keys served so far are remembered: ``build`` plans each of them up front.
     """
 
-    def __init__(self, device: torch.device, *, graph_max_pages: int = GRAPH_MAX_PAGES) -> None:
+    def __init__(self, device: torch.device, *, graph_max_pages: int = GRAPH_MAX_PAGES,
+                 cuda_graph_sizes: frozenset[int] = CUDA_GRAPH_SIZES) -> None:
         self.device = device
         self.graph_max_pages = graph_max_pages
+        self.cuda_graph_sizes = cuda_graph_sizes
         self.known_keys: list[PlanKey] = []
         self._wrappers: dict[tuple[PlanKey, int | None], Any] = {}
         self._epochs: dict[int, int] = {}
@@ -206,7 +221,7 @@ class FlashInferPlanner:
 
     def plan(self, key: PlanKey, meta: FlashInferMetadata) -> FlashInferPlan:
         """Plan ``key`` for ``meta``'s batch (host-to-device copies: never under capture)."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if _capturing():
             raise InvalidArgumentError(
                 "attn_metadata", "a FlashInfer batch not planned for this layer's shape",
                 "metadata whose build() planned it before CUDA graph capture: run one step "
@@ -216,7 +231,8 @@ class FlashInferPlanner:
             self.known_keys.append(key)
         pages = int(meta.paged_kv_indptr_cpu[-1]) if meta.num_reqs else 0
         decode = meta.num_reqs > 0 and meta.max_query_len == 1
-        graph = decode and pages <= self.graph_max_pages
+        graph = (decode and meta.num_reqs in self.cuda_graph_sizes
+                 and pages <= self.graph_max_pages)
         wrapper = self._wrapper(key, meta.num_reqs if graph else None)
         wrapper.plan(
             meta.query_start_loc_cpu, meta.paged_kv_indptr_cpu, meta.paged_kv_indices,
@@ -247,6 +263,21 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             FlashInferPlanner(device) if FLASHINFER_KERNEL.unavailable_reason(device) is None
             else None
         )
+        self._graph_sizes = CUDA_GRAPH_SIZES
+
+    @property
+    def cuda_graph_sizes(self) -> frozenset[int]:
+        """Request counts of the decode batches planned for CUDA-graph replay."""
+        return self._graph_sizes
+
+    @cuda_graph_sizes.setter
+    def cuda_graph_sizes(self, sizes: Iterable[int]) -> None:
+        got: list[object] = list(sizes)
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in got):
+            raise InvalidArgumentError("cuda_graph_sizes", got, "positive request counts")
+        self._graph_sizes = frozenset(n for n in got if isinstance(n, int))
+        if self.planner is not None:
+            self.planner.cuda_graph_sizes = self._graph_sizes
 
     def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         meta = FlashInferMetadata(**common_fields(common), **_csr_pages(common),
@@ -297,6 +328,15 @@ class FlashInferPagedKernel(VendorKernel):
         if plan is None or not planner.is_current(plan):
             plan = planner.plan(key, meta)
             meta.plans[key] = plan
+        if not plan.cuda_graph and _capturing():  # its buffers would not outlive the step
+            raise InvalidArgumentError(
+                "attn_metadata",
+                f"a FlashInfer batch of {meta.num_reqs} requests (longest query "
+                f"{meta.max_query_len}) planned outside the CUDA-graph buffers",
+                "a decode batch whose request count is in the builder's cuda_graph_sizes "
+                f"{sorted(planner.cuda_graph_sizes)} to capture it (set "
+                "FlashInferMetadataBuilder.cuda_graph_sizes to the sizes you capture)",
+            )
         # HND: hand FlashInfer the physical (nb, 2, H, bs, D) tensor it addresses.
         cache = call.kv_cache.permute(0, 1, 3, 2, 4) if hnd else call.kv_cache
         scaled = kv.cache_dtype != "auto"
