@@ -19,8 +19,10 @@
 # Durations seen on an H200 (2026-11-30), warm Triton cache excluded: writers 45 s, ops 55 s,
 # property (SWEEP=40) 100 s, mla 45 s, runner 150 s (the every-backend file), speed 25 s;
 # backends over 220 s (about 265 tests); bench_writers + bench_launch + bench_fused_rope
-# together 90 s. Under a time limit per invocation, split the areas over several
-# invocations (AREAS=...).
+# together 90 s. On a fresh machine (2026-12-01, cold caches): writers 73 s, speed 62 s,
+# ops over 150 s (192 s with the Triton cache warm), mla over 150 s, runner 272 s; the
+# flashinfer vendor tests 219 s (its JIT builds), bench_prefill with flex about 90 s.
+# Under a time limit per invocation, split the areas over several invocations (AREAS=...).
 set -u
 what=" $* "
 FINAL=${OUT:-/tmp/out}
