@@ -37,6 +37,7 @@ from vllm.attention.backends.flashinfer import (
 from vllm.attention.batch import PagedBatch, make_paged_batch
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.layer import Attention
+from vllm.attention.ops.paged_attention import read_request
 from vllm.forward_context import set_forward_context
 
 CPU = torch.device("cpu")
@@ -140,7 +141,8 @@ def _layers(backend: type[AttentionBackend[Any]], n: int, num_blocks: int,
 def _step(layers: list[Attention], caches: list[torch.Tensor], batch: PagedBatch,
           meta: FlashInferMetadata, seed: int, window: int | None = None) -> None:
     """One step through every layer; each output is checked against float64 attention
-    over the K/V that the block table and sequence lengths (not the plan) name."""
+    over the K/V that the block table and sequence lengths (not the plan) name, read
+    back through the writers' address decoder."""
     g = torch.Generator().manual_seed(seed)
     t = int(batch.common.query_start_loc_cpu[-1])
     names = [layer.layer_name for layer in layers]
@@ -153,10 +155,9 @@ def _step(layers: list[Attention], caches: list[torch.Tensor], batch: PagedBatch
             out = layer(q, k, v)
             assert layer.impl.last_compute_path == "flashinfer"
             qsl = batch.common.query_start_loc_cpu.tolist()
+            kv = layer.impl.paged_kv(layer, cache, meta)
             for i, n in enumerate(batch.common.seq_lens_cpu.tolist()):
-                blocks = batch.common.block_table[i, : -(-n // BS)].tolist()
-                kk = cache[blocks, 0].reshape(-1, HKV, D)[:n]
-                vv = cache[blocks, 1].reshape(-1, HKV, D)[:n]
+                kk, vv = read_request(kv, batch.common.block_table[i], n, torch.float64)
                 want = dense(q[qsl[i]:qsl[i + 1]], kk, vv, scale=0.125, causal=True,
                              window=window)
                 assert rel_err(out[qsl[i]:qsl[i + 1]], want) < 1e-2
