@@ -406,16 +406,12 @@ process of its own, after the rest."""
 
 
 def _rows_of_own_process(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """``name``'s rows (and that process's baselines) from a child process of this script."""
-    opts = ["--requests", args.requests, "--new-tokens", args.new_tokens,
-            "--cached-tokens", args.cached_tokens, "--heads", args.heads,
-            "--kv-heads", args.kv_heads, "--head-size", args.head_size,
-            "--block-size", args.block_size, "--dtype", args.dtype,
-            "--decode-batch", args.decode_batch, "--decode-context", args.decode_context,
-            "--iters", args.iters, "--warmup", args.warmup]
+    """``name``'s rows (and that process's baselines) from a child process of this script,
+    given this run's own options with ``--backends`` and ``--out`` overridden (argparse
+    keeps the last occurrence)."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--no-isolate", "--backends",
-               name, "--out", tmp, *map(str, opts)] + (["--no-decode"] if args.no_decode else [])
+        cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--no-isolate",
+               "--backends", name, "--out", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         report = Path(tmp) / "prefill.json"
         if not report.exists():
@@ -443,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-isolate", dest="isolate", action="store_false",
                    help=f"time {', '.join(VENDOR_BACKENDS)} in this process too")
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
         print("no CUDA: smoke configuration (2 requests of 24 + 40 tokens, d 32); "
