@@ -18,7 +18,7 @@ import torch
 
 from vllm.attention.backend import AttentionLayerSpec
 from vllm.attention.errors import LegacyBackendError
-from vllm.attention.types import KVQuant
+from vllm.attention.types import KVQuant, host_scale
 
 __all__ = ["Attention"]
 
@@ -72,7 +72,6 @@ class Attention:
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = spec.kv_sharing_target_layer_name
         self.use_output = bool(getattr(attn_backend, "accept_output_buffer", False))
-        self._floats: dict[str, tuple[torch.Tensor, float]] = {}
         self._ones: torch.Tensor | None = None
 
     def get_attn_backend(self) -> type:
@@ -126,16 +125,13 @@ class Attention:
         return self._ones
 
     def _float(self, which: str, scale: torch.Tensor) -> float:
-        """Read once per scale tensor (upstream sets these floats once, at load)."""
-        held = self._floats.get(which)
-        if held is None or held[0] is not scale:
-            if scale.numel() != 1:
-                raise LegacyBackendError(
-                    f"layer._{which}_scale_float of {self.layer_name!r}: the layer has "
-                    f"per-head scales ({scale.numel()}), which have no single float")
-            held = (scale, float(scale.item()))
-            self._floats[which] = held
-        return held[1]
+        """Read once per version of the scale tensor (upstream sets these floats once, at
+        load)."""
+        if scale.numel() != 1:
+            raise LegacyBackendError(
+                f"layer._{which}_scale_float of {self.layer_name!r}: the layer has "
+                f"per-head scales ({scale.numel()}), which have no single float")
+        return host_scale(scale)
 
     def __getattr__(self, name: str) -> Any:
         if name == "layer":  # not yet set: __init__ failed

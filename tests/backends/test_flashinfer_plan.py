@@ -32,12 +32,12 @@ from vllm.attention.backends.flashinfer import (
     FlashInferHNDBackend,
     FlashInferMetadata,
     FlashInferPagedKernel,
-    host_scale,
 )
 from vllm.attention.batch import PagedBatch, make_paged_batch
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.layer import Attention
 from vllm.attention.ops.paged_attention import read_request
+from vllm.attention.types import host_scale
 from vllm.forward_context import set_forward_context
 
 CPU = torch.device("cpu")

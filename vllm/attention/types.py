@@ -6,6 +6,7 @@ Layouts are described once in ``docs/layouts.md``; this module only names them.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass
 from typing import Final, Literal, get_args
 
@@ -159,6 +160,23 @@ def _checked_scale(name: str, scale: object) -> torch.Tensor:
     if scale.device.type == "cpu" and not bool(((scale > 0) & scale.isfinite()).all()):
         raise InvalidArgumentError(name, scale.tolist(), "positive, finite values")
     return scale
+
+
+_SCALES: dict[int, tuple[weakref.ref[torch.Tensor], int, float]] = {}
+
+
+def host_scale(t: torch.Tensor) -> float:
+    """``float(t)`` for a one-element scale, read from the device once per version of
+    the tensor (so a warmed-up call reads no device value, also under graph capture):
+    for kernels and legacy code that take a scale as a host float."""
+    hit = _SCALES.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        return hit[2]
+    value = float(t.reshape(-1)[0].item())
+    if len(_SCALES) > 256:
+        _SCALES.clear()
+    _SCALES[id(t)] = (weakref.ref(t), t._version, value)
+    return value
 
 
 @dataclass(frozen=True)

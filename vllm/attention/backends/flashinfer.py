@@ -22,7 +22,6 @@ whose ``build`` ran last. ``docs/backends.md`` ("FlashInfer planning") gives the
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
@@ -41,7 +40,7 @@ from vllm.attention.backend import (
 from vllm.attention.backends.standard import StandardBackend, StandardImpl
 from vllm.attention.backends.vendor_kernels import HALF, VendorCall, VendorKernel
 from vllm.attention.errors import InvalidArgumentError, InvalidTypeError
-from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout
+from vllm.attention.types import AttentionType, KVCacheDType, KVCacheLayout, host_scale
 
 WORKSPACE_BYTES: Final = 128 * 1024 * 1024
 """FlashInfer's float workspace, one per device, shared by every wrapper."""
@@ -287,22 +286,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 if key.block_size == common.block_size and key.causal == common.causal:
                     meta.plans[key] = self.planner.plan(key, meta)
         return meta
-
-
-_SCALES: dict[int, tuple[weakref.ref[torch.Tensor], int, float]] = {}
-
-
-def host_scale(t: torch.Tensor) -> float:
-    """``float(t)`` for a one-element scale, read from the device once per version of
-    the tensor (so a warmed-up call reads no device value, also under graph capture)."""
-    hit = _SCALES.get(id(t))
-    if hit is not None and hit[0]() is t and hit[1] == t._version:
-        return hit[2]
-    value = float(t.reshape(-1)[0].item())
-    if len(_SCALES) > 256:
-        _SCALES.clear()
-    _SCALES[id(t)] = (weakref.ref(t), t._version, value)
-    return value
 
 
 @dataclass(frozen=True)
