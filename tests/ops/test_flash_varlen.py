@@ -194,3 +194,34 @@ def test_choose_path_on_cuda() -> None:
     fp8 = build(Case(L.SPLIT_NHD, "fp8_e4m3", dtype=BF16, head_size=128, query_lens=(2048,),
                      context_lens=(0,)), "cuda")
     assert choose_path(fp8.query, fp8.kv, fp8.batch.common) == "triton"
+
+
+def test_the_quick_bound_rejects_only_what_the_full_rule_would() -> None:
+    """``flash_varlen_worth_it`` first rejects from ``max_query_len`` alone; whenever that
+    bound rejects, the FLOPs per copied byte computed request by request are below the
+    threshold too (so the bound never turns away a batch the full rule takes)."""
+    import random
+
+    from vllm.attention.batch import make_paged_batch
+    from vllm.attention.ops.flash_varlen import FLOPS_PER_BYTE, MAX_COPY_SHARE
+
+    b = build(Case(L.SPLIT_NHD, dtype=BF16, query_lens=(4,), context_lens=(3,)))
+    kv = b.kv
+    rng = random.Random(7)
+    bound_rejected = 0
+    for _ in range(60):
+        n = rng.randint(1, 6)
+        q = [rng.choice([1, 2, 16, 64, 130, 300, 700]) for _ in range(n)]
+        c = [rng.choice([0, 5, 100, 4000]) for _ in range(n)]
+        batch = make_paged_batch(q, c, block_size=16).common
+        heads = rng.choice([kv.num_kv_heads, 4 * kv.num_kv_heads])
+        why = flash_varlen_worth_it(batch, kv, heads, 2, causal=True, sliding_window=None)
+        if why is None or not why.startswith("at most"):
+            continue
+        bound_rejected += 1
+        d = kv.head_size + kv.head_size_v
+        flops = sum(2 * qi * (qi + ci - (qi - 1) / 2) for qi, ci in zip(q, c)) * d * heads
+        copied = sum(2 * -(-(qi + ci) // 16) * 16 * kv.num_kv_heads * d * 2
+                     for qi, ci in zip(q, c))
+        assert flops / copied < FLOPS_PER_BYTE / MAX_COPY_SHARE, (q, c, heads)
+    assert bound_rejected > 10

@@ -125,6 +125,15 @@ def flash_varlen_worth_it(batch: PagedBatchLike, kv: PagedKV, num_heads: int,
     """
     if batch.num_reqs == 0:
         return "an empty batch"
+    # An exact bound first, from ints (decode batches stop here, before any tensor
+    # arithmetic: this runs on every call of the portable path). A request's FLOPs per
+    # copied byte are at most q_len * num_heads / (num_kv_heads * element_size): its
+    # visible keys never exceed seq_len, and its copied blocks hold at least seq_len rows.
+    need = FLOPS_PER_BYTE / MAX_COPY_SHARE
+    bound = batch.max_query_len * num_heads / (kv.num_kv_heads * element_size)
+    if bound < need:
+        return (f"at most {bound:.0f} FLOPs per copied byte (max_query_len="
+                f"{batch.max_query_len}), takes >= {need:.0f} (a compute-heavy prefill)")
     faster = triton_measured_faster(batch, kv, num_heads, element_size)
     if faster is not None:
         return faster
@@ -143,7 +152,7 @@ def flash_varlen_worth_it(batch: PagedBatchLike, kv: PagedKV, num_heads: int,
         copied += 2 * float(q.sum()) * num_heads * kv.head_size_v * element_size
     if copied * FLOPS_PER_BYTE > MAX_COPY_SHARE * flops:
         return (f"{flops / max(copied, 1.0):.0f} FLOPs per copied byte, takes >= "
-                f"{FLOPS_PER_BYTE / MAX_COPY_SHARE:.0f} (a compute-heavy prefill)")
+                f"{need:.0f} (a compute-heavy prefill)")
     return None
 
 

@@ -106,6 +106,7 @@ def _num_sms(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
+@functools.cache  # called on every decode launch, with few distinct arguments
 def split_heuristic(*, programs: int, num_sms: int, max_splits: int) -> int:
     """Fewest splits whose last wave of programs is nearly full.
 
