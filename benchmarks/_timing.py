@@ -5,6 +5,7 @@ run, so ratios do not depend on the machine's clocks."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import math
@@ -89,6 +90,58 @@ def event_us(fn: Callable[[], object], *, iters: int = 100, warmup: int = 10,
         end.synchronize()
         out.append(start.elapsed_time(end) / iters * 1e3)
     return statistics.median(out)
+
+
+@functools.cache
+def _sleep_cycles_per_us(device_index: int) -> float:
+    """Cycles of ``torch.cuda._sleep`` per microsecond on this device (timed once)."""
+    cycles = 2_000_000
+    torch.cuda._sleep(cycles)  # warm-up
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / max(start.elapsed_time(end) * 1e3, 1.0)
+
+
+def queued_us(fn: Callable[[], object], *, iters: int = 20, warmup: int = 3,
+              rounds: int = 3, device: torch.device) -> tuple[float, float]:
+    """``(device us, host us)`` per call of ``fn``: the device time of ``iters``
+    back-to-back calls between CUDA events with the stream's queue filled first (a GPU
+    sleep longer than the host takes to enqueue them all, so the GPU never waits for
+    the host: unlike :func:`event_us`, the host's latency for the first call and any
+    host-bound stretch do not count), median of ``rounds``; and the host time per call
+    (the enqueueing loop). On a CPU ``device``, wall time for both."""
+    if device.type != "cuda":
+        us = event_us(fn, iters=iters, warmup=warmup, rounds=rounds, device=device)
+        return us, us
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    per_us = _sleep_cycles_per_us(device.index or 0)
+    t0 = time.perf_counter()
+    for _ in range(max(1, warmup)):
+        fn()
+    host = (time.perf_counter() - t0) / max(1, warmup) * 1e6
+    dev_times, host_times = [], []
+    for _ in range(rounds):
+        torch.cuda.synchronize(device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        budget_us = min(2e5, 2.0 * host * iters + 500.0)
+        torch.cuda._sleep(int(per_us * budget_us))
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        host_times.append((time.perf_counter() - t0) / iters * 1e6)
+        end.record()
+        end.synchronize()
+        dev_times.append(start.elapsed_time(end) / iters * 1e3)
+        host = max(host, host_times[-1])
+    return statistics.median(dev_times), statistics.median(host_times)
 
 
 def capture(fn: Callable[[], object], *, reps: int = 1) -> torch.cuda.CUDAGraph:

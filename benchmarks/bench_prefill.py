@@ -37,8 +37,13 @@ in the same run: the Triton row is the unchanged decode kernel. FLASHINFER rows 
 
     python benchmarks/bench_prefill.py --out DIR      # DIR/prefill.json and prefill.txt
 
-Times: CUDA events around ``--iters`` calls, median of 3 rounds, after warm-up (the
-first FLEX_ATTENTION call compiles; its time is reported as ``first_call_s``). On CUDA
+Times (``time us``): device time per call, CUDA events around ``--iters`` back-to-back
+calls with the stream's queue filled first by a GPU sleep (``_timing.queued_us``), so
+the host's latency for the first call and host-bound stretches stay out of the device
+time of every row, baselines included; median of 3 rounds, after warm-up (the first
+FLEX_ATTENTION call compiles; its time is reported as ``first_call_s``). ``host us``:
+the host time per call of the same loop (a row whose host time exceeds its device
+time is host-bound when called eagerly; the builder's row is host time only). On CUDA
 the decode section runs first, and FLASH_ATTN / FLASHINFER(_HND) each run in a process
 of their own after the rest (``--no-isolate``: all in this one), each with its own
 baselines: importing a vendor package slowed the host side of the portable rows timed
@@ -67,7 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import (  # noqa: E402
     copy_ceiling_gbps,
     device_info,
-    event_us,
+    queued_us,
     print_table,
     report_text,
     write_report,
@@ -252,8 +257,12 @@ def _flash_varlen(force: str | None) -> Iterator[None]:
         setattr(flash_varlen, name, saved)
 
 
-def _time(fn: Callable[[], object], args: argparse.Namespace, device: torch.device) -> float:
-    return event_us(fn, iters=args.iters, warmup=args.warmup, rounds=3, device=device)
+def _time(fn: Callable[[], object], args: argparse.Namespace, device: torch.device
+          ) -> tuple[float, float]:
+    """``(device us, host us)`` per call (:func:`_timing.queued_us`: back-to-back calls
+    with the stream's queue filled first, so a path's host cost shows in its own column
+    and not in the device time)."""
+    return queued_us(fn, iters=args.iters, warmup=args.warmup, rounds=3, device=device)
 
 
 def bench_prefill_shape(shape: Shape, args: argparse.Namespace, device: torch.device
@@ -264,11 +273,11 @@ def bench_prefill_shape(shape: Shape, args: argparse.Namespace, device: torch.de
     base_us: float | None = None
     for i, (name, fn) in enumerate(base):
         res = fn()
-        t = _time(fn, args, device)
+        t, host = _time(fn, args, device)
         if i == 0:
             ref_out, base_us = res, t
         rows.append(dict(shape=shape.name, impl=name, what="baseline" if i == 0 else "extra",
-                         path="-", time_us=t, tflops=shape.flops / t / 1e6,
+                         path="-", time_us=t, host_us=host, tflops=shape.flops / t / 1e6,
                          ratio=None if base_us is None else base_us / t,
                          rel_err=(None if ref_out is None or i == 0
                                   else relative_error(res, ref_out))))
@@ -299,11 +308,11 @@ def bench_prefill_shape(shape: Shape, args: argparse.Namespace, device: torch.de
                 torch.cuda.synchronize(device)
             first_s = time.perf_counter() - t0
             for what, fn in (("layer", step), ("compute", compute)):
-                t = _time(fn, args, device)
+                t, host = _time(fn, args, device)
                 err = None if ref_out is None else relative_error(out, ref_out)
                 rows.append(dict(
                     shape=shape.name, impl=label, what=what, path=impl.last_compute_path,
-                    time_us=t, tflops=shape.flops / t / 1e6,
+                    time_us=t, host_us=host, tflops=shape.flops / t / 1e6,
                     ratio=None if base_us is None else base_us / t, rel_err=err,
                     first_call_s=first_s if what == "layer" else None,
                     note="; ".join(impl.last_fallbacks)))
@@ -318,9 +327,9 @@ def bench_prefill_shape(shape: Shape, args: argparse.Namespace, device: torch.de
 def _build_row(shape: Shape, label: str, builder: Any, args: argparse.Namespace,
                device: torch.device) -> dict[str, Any]:
     """The builder's per-step cost (FlashInfer plans there, once for all layers)."""
-    t = _time(lambda: builder.build(shape.batch.common), args, device)
-    return dict(shape=shape.name, impl=label, what="build", path="-", time_us=t,
-                note="metadata + plan, once per step and KV-cache group")
+    _, host = _time(lambda: builder.build(shape.batch.common), args, device)
+    return dict(shape=shape.name, impl=label, what="build", path="-", host_us=host,
+                note="metadata + plan, once per step and KV-cache group (host time)")
 
 
 def _op_triton_row(shape: Shape, layer: Attention, meta: Any, out: torch.Tensor,
@@ -339,9 +348,9 @@ def _op_triton_row(shape: Shape, layer: Attention, meta: Any, out: torch.Tensor,
                                       causal=True)
 
     op()
-    t = _time(op, args, device)
+    t, host = _time(op, args, device)
     return dict(shape=shape.name, impl="op triton kernel", what="compute", path="triton",
-                time_us=t, tflops=shape.flops / t / 1e6,
+                time_us=t, host_us=host, tflops=shape.flops / t / 1e6,
                 ratio=None if base_us is None else base_us / t,
                 rel_err=None if ref_out is None else relative_error(out, ref_out),
                 note=f"block_m={cfg.block_m} block_n={cfg.block_n} warps={cfg.num_warps} "
@@ -375,14 +384,14 @@ def bench_decode(args: argparse.Namespace, device: torch.device, g: torch.Genera
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             first_s = time.perf_counter() - t0
-            t = _time(step, args, device)
+            t, host = _time(step, args, device)
             gbps = kv_bytes / t / 1e3
             if name == "TRITON_ATTN":
                 triton_us = t
                 ref = out.clone()
             rows.append(dict(
                 shape=f"decode {b}x{ctx}", impl=name, what="layer", path=impl.last_compute_path,
-                time_us=t, gbps=gbps, read_share=None if copy_gbps is None else gbps / copy_gbps,
+                time_us=t, host_us=host, gbps=gbps, read_share=None if copy_gbps is None else gbps / copy_gbps,
                 ratio=None if triton_us is None else triton_us / t,
                 rel_err=None if name == "TRITON_ATTN" else relative_error(out, ref),
                 first_call_s=first_s, note="; ".join(impl.last_fallbacks)))
@@ -393,7 +402,7 @@ def bench_decode(args: argparse.Namespace, device: torch.device, g: torch.Genera
 
 
 COLUMNS = [("shape", "shape", ""), ("impl", "impl", ""), ("what", "what", ""),
-           ("path", "path", ""), ("time_us", "time us", ".1f"), ("tflops", "TFLOP/s", ".1f"),
+           ("path", "path", ""), ("time_us", "time us", ".1f"), ("host_us", "host us", ".0f"), ("tflops", "TFLOP/s", ".1f"),
            ("gbps", "GB/s", ".0f"), ("read_share", "vs copy", ".2f"), ("ratio", "ratio", ".3f"),
            ("rel_err", "rel err", ".1e"), ("first_call_s", "1st call s", ".1f"),
            ("note", "note", "")]
