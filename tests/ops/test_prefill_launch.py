@@ -1,5 +1,7 @@
-"""The Triton kernel's long-prefill launch (``LONG_PREFILL``: 128-row tiles of 32 keys,
-4 warps, 4 stages, for 16-bit queries and heads up to 128) and where it replaces the
+"""The Triton kernel's long-prefill launches (``LONG_PREFILL``: 128-row tiles of 32 keys,
+4 warps, 4 stages, for 16-bit queries and heads up to 128; ``WIDE_PREFILL``: 256-row
+tiles of 64 keys, 8 warps, 3 stages, unquantised caches on the devices where it was
+measured) and where they replace the
 flash varlen path: the heuristic's choices (decode's unchanged), the launch's result
 against float64 with NaN in unowned slots (interpreter; CUDA under the gpu marker), and
 ``choose_path`` on the device it was measured on."""
@@ -42,6 +44,48 @@ def test_long_prefills_take_the_measured_launch() -> None:
         split_masks=True, reverse_tiles=True)
 
 
+def test_on_measured_devices_unquantised_long_prefills_take_256_row_tiles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ``WIDE_PREFILL`` was measured (the device check patched to say so here):
+    16-bit queries, an ``auto`` cache and heads of 65-128 take it; fp8 caches, heads of
+    64 or 256, float32 and shorter prefills keep their earlier launches; decode too."""
+    from vllm.attention.ops import triton_paged_attention as tpa
+    from vllm.attention.ops.triton_paged_attention import (
+        LONG_PREFILL,
+        WIDE_PREFILL,
+        choose_config,
+        is_long_prefill_launch,
+    )
+
+    monkeypatch.setattr(tpa, "wide_prefill_measured", lambda device: True)
+
+    def cfg(head_size: int, dtype: torch.dtype, max_query_len: int, cache: str = "auto",
+            group: int = 4) -> tpa.TritonLaunchConfig:
+        kv = build(Case(L.SPLIT_NHD, cache, dtype=dtype, num_kv_heads=2, group=group,
+                        head_size=head_size, query_lens=(1,), context_lens=(3,))).kv
+        return choose_config(kv, num_heads=2 * group, num_reqs=2, max_query_len=max_query_len,
+                             max_seq_len=8192, query_dtype=dtype)
+
+    for d, dtype, group in ((128, BF16, 4), (96, FP16, 8), (128, BF16, 1)):
+        c = cfg(d, dtype, 4096, group=group)
+        assert (c.block_m, c.block_n, c.num_warps, c.num_stages) == WIDE_PREFILL, (d, group)
+        assert c.split_masks and c.reverse_tiles and is_long_prefill_launch(c)
+    for d, dtype, cache in ((128, BF16, "fp8_e4m3"), (64, FP16, "auto")):
+        c = cfg(d, dtype, 2048, cache)
+        assert c.block_m == 128 and (c.block_n, c.num_warps, c.num_stages) == LONG_PREFILL
+        assert is_long_prefill_launch(c)
+    assert not is_long_prefill_launch(cfg(256, BF16, 2048))
+    assert not is_long_prefill_launch(cfg(128, torch.float32, 2048))
+    assert cfg(128, BF16, 512).block_m == 64
+    assert cfg(128, BF16, 1).block_m == 16
+
+
+def test_the_256_row_launch_is_never_taken_off_cuda_or_under_the_interpreter() -> None:
+    from vllm.attention.ops.triton_paged_attention import wide_prefill_measured
+
+    assert not wide_prefill_measured(torch.device("cpu"))
+
+
 def test_decode_launches_are_unchanged() -> None:
     from vllm.attention.ops.triton_paged_attention import TritonLaunchConfig
 
@@ -60,19 +104,22 @@ INTERP = [
 ]
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["128rows", "256rows"])
 @pytest.mark.parametrize("case", INTERP, ids=[c.id() for c in INTERP])
-def test_interpreter_runs_the_long_prefill_tile(case: Case) -> None:
-    """The launch's tile shape (128 rows = 32 tokens x 4 heads, 32-key tiles, edge-only
-    masks, last-first) on small batches, under the interpreter."""
+def test_interpreter_runs_the_long_prefill_tile(case: Case, wide: bool) -> None:
+    """The launches' tile shapes (128 rows = 32 tokens x 4 heads with 32-key tiles;
+    256 rows with 64-key tiles; edge-only masks, last-first) on small batches, under
+    the interpreter."""
     skip_unless_triton_runs_on("cpu")
     from vllm.attention.ops.triton_paged_attention import (
         LONG_PREFILL,
+        WIDE_PREFILL,
         TritonLaunchConfig,
         paged_attention_triton,
     )
 
-    n, warps, stages = LONG_PREFILL
-    cfg = TritonLaunchConfig(block_m=128, block_n=n, num_splits=1, num_warps=warps,
+    m, n, warps, stages = WIDE_PREFILL if wide else (128, *LONG_PREFILL)
+    cfg = TritonLaunchConfig(block_m=m, block_n=n, num_splits=1, num_warps=warps,
                              num_stages=stages, split_masks=True, reverse_tiles=True)
     b = build(case)
     out = b.new_output()
@@ -114,8 +161,10 @@ def test_cuda_default_long_prefill_launch(case: Case) -> None:
     skip_unless_triton_runs_on("cuda")
     from vllm.attention.ops.triton_paged_attention import (
         LONG_PREFILL,
+        WIDE_PREFILL,
         choose_config,
         paged_attention_triton,
+        wide_prefill_measured,
     )
 
     b = build(case, "cuda")
@@ -123,7 +172,10 @@ def test_cuda_default_long_prefill_launch(case: Case) -> None:
     cfg = choose_config(b.kv, num_heads=case.num_heads, num_reqs=meta.num_reqs,
                         max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
                         query_dtype=case.dtype)
-    assert cfg.block_m == 128 and (cfg.block_n, cfg.num_warps, cfg.num_stages) == LONG_PREFILL
+    launch = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    wide = (wide_prefill_measured(b.kv.device) and case.cache_dtype == "auto"
+            and case.head_size > 64)
+    assert launch == (WIDE_PREFILL if wide else (128, *LONG_PREFILL)), launch
     out = b.new_output()
     paged_attention_triton(b.query, b.kv, meta, scale=case.scale, output=out,
                            sliding_window=case.sliding_window,

@@ -165,23 +165,25 @@ def triton_measured_faster(batch: PagedBatchLike, kv: PagedKV, num_heads: int,
                            element_size: int) -> str | None:
     """Why the paged Triton kernel runs this batch instead (None: it was not measured
     faster): on a device of :data:`TRITON_MEASURED_ON`, a batch for which
-    ``choose_config`` picks the long-prefill launch (``LONG_PREFILL``: 128-row tiles,
-    16-bit, D <= 128). There, on an H200 x torch's dense flash kernel, the Triton kernel
-    ran 0.929 (8 x 2048 new tokens) and 0.937 (8 x (2048 cached + 2048 new)), this path,
-    copies included, 0.813 and 0.920 (docs/paged_attention.md)."""
+    ``choose_config`` picks a long-prefill launch (``LONG_PREFILL``: 128-row tiles,
+    16-bit, D <= 128; ``WIDE_PREFILL``: 256-row tiles, unquantised caches). There, on an
+    H200 x torch's dense flash kernel, the Triton kernel ran 0.929 (8 x 2048 new tokens)
+    and 0.937 (8 x (2048 cached + 2048 new)) with 128-row tiles, 1.034 and 1.126 with
+    256-row tiles; this path, copies included, 0.813 and 0.920 (docs/paged_attention.md)."""
     if kv.device.type != "cuda" or element_size != 2:
         return None
     if torch.cuda.get_device_capability(kv.device) not in TRITON_MEASURED_ON:
         return None
-    from vllm.attention.ops.triton_paged_attention import LONG_PREFILL, choose_config
+    from vllm.attention.ops.triton_paged_attention import choose_config, is_long_prefill_launch
 
     cfg = choose_config(kv, num_heads=num_heads, num_reqs=batch.num_reqs,
                         max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
                         query_dtype=torch.bfloat16)
-    if cfg.block_m < 128 or (cfg.block_n, cfg.num_warps, cfg.num_stages) != LONG_PREFILL:
+    if not is_long_prefill_launch(cfg):
         return None
-    return ("the paged Triton kernel's long-prefill launch (128-row tiles) measured faster "
-            "on this device: 0.93-0.94 x the flash kernel against 0.81-0.92 with the copies")
+    return (f"the paged Triton kernel's long-prefill launch ({cfg.block_m}-row tiles) "
+            "measured faster on this device: 0.93-1.13 x the flash kernel against "
+            "0.81-0.95 with the copies")
 
 
 def _rows(op: PagedOperand, ids: torch.Tensor) -> torch.Tensor:

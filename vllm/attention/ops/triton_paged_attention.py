@@ -170,6 +170,8 @@ def choose_config(
     num_stages = 3
     if block_m >= 128 and wide <= 128 and not fp32:
         block_n, num_warps, num_stages = LONG_PREFILL
+        if wide > 64 and kv.dequant is Dequant.NONE and wide_prefill_measured(kv.device):
+            block_m, block_n, num_warps, num_stages = WIDE_PREFILL
     return TritonLaunchConfig(block_m=block_m, block_n=block_n, num_splits=num_splits,
                               num_warps=num_warps, num_stages=num_stages, split_masks=not decode,
                               reverse_tiles=not decode)
@@ -195,6 +197,43 @@ The first has the best worst case (and geometric mean) of the two targets; the r
 rows are in ``benchmarks/results/h200/2026-12-01-04633ad-modified/tune_prefill.txt``.
 Other head sizes and fp32 keep the earlier rule (32-key tiles there, 3 stages).
 """
+
+
+WIDE_PREFILL = (256, 64, 8, 3)
+"""``(block_m, block_n, num_warps, num_stages)`` of long prefills on the devices of
+:data:`WIDE_PREFILL_ON`, for 16-bit queries over an unquantised (``auto``) cache with
+heads of 65-128: 256-row tiles (64 tokens x 4 heads at a group of 4), two warpgroups,
+64-key tiles. On an H200 (2026-12-01, the targets' shapes, x torch's flash kernel, device
+time with the queue filled): 1.034 fresh and 1.126 chunked, against 0.937 / 0.951 for
+:data:`LONG_PREFILL` in the same run (``docs/performance.md``). Its tiles (64 KiB of
+queries, 96 KiB of keys and values in flight) exceed the shared memory of sm_86/sm_89;
+fp8 caches (widened in registers) and other devices keep :data:`LONG_PREFILL`."""
+
+WIDE_PREFILL_ON = ((9, 0),)
+"""Compute capabilities where :data:`WIDE_PREFILL` was measured."""
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return int(major), int(minor)
+
+
+def wide_prefill_measured(device: torch.device) -> bool:
+    """Whether long prefills on ``device`` take :data:`WIDE_PREFILL` (NVIDIA devices of
+    :data:`WIDE_PREFILL_ON`; never under the interpreter or on ROCm)."""
+    if device.type != "cuda" or torch.version.hip is not None or interpreter_active():
+        return False
+    return _capability(device.index if device.index is not None
+                       else torch.cuda.current_device()) in WIDE_PREFILL_ON
+
+
+def is_long_prefill_launch(cfg: TritonLaunchConfig) -> bool:
+    """Whether ``cfg`` is one of the measured long-prefill launches
+    (:data:`LONG_PREFILL`, :data:`WIDE_PREFILL`)."""
+    if (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == WIDE_PREFILL:
+        return True
+    return cfg.block_m >= 128 and (cfg.block_n, cfg.num_warps, cfg.num_stages) == LONG_PREFILL
 
 
 def paged_attention_triton(
