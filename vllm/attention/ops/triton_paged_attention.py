@@ -214,8 +214,8 @@ WIDE_PREFILL_ON = ((9, 0),)
 
 
 @functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    major, minor = torch.cuda.get_device_capability(device_index)
+def _capability(device: torch.device) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(device)
     return int(major), int(minor)
 
 
@@ -224,8 +224,7 @@ def wide_prefill_measured(device: torch.device) -> bool:
     :data:`WIDE_PREFILL_ON`; never under the interpreter or on ROCm)."""
     if device.type != "cuda" or torch.version.hip is not None or interpreter_active():
         return False
-    return _capability(device.index if device.index is not None
-                       else torch.cuda.current_device()) in WIDE_PREFILL_ON
+    return _capability(device) in WIDE_PREFILL_ON
 
 
 def is_long_prefill_launch(cfg: TritonLaunchConfig) -> bool:
