@@ -204,8 +204,9 @@ WIDE_PREFILL = (256, 64, 8, 3)
 :data:`WIDE_PREFILL_ON`, for 16-bit queries over an unquantised (``auto``) cache with
 heads of 65-128: 256-row tiles (64 tokens x 4 heads at a group of 4), two warpgroups,
 64-key tiles. On an H200 (2026-12-01, the targets' shapes, x torch's flash kernel, device
-time with the queue filled): 1.034 fresh and 1.126 chunked, against 0.937 / 0.951 for
-:data:`LONG_PREFILL` in the same run (``docs/performance.md``). Its tiles (64 KiB of
+time with the queue filled): 1.027 fresh and 1.097 chunked at 32 / 8 heads, 1.053 / 1.155
+at 64 / 8, against 0.934 / 0.939 and 0.888 / 0.920 for :data:`LONG_PREFILL` in the same
+runs (``docs/paged_attention.md``). Its tiles (64 KiB of
 queries, 96 KiB of keys and values in flight) exceed the shared memory of sm_86/sm_89;
 fp8 caches (widened in registers) and other devices keep :data:`LONG_PREFILL`."""
 
