@@ -159,24 +159,29 @@ def record_paged(target: Target) -> list[Call]:
              (KVCacheLayout.AITER_SHUFFLED, "auto", torch.bfloat16, [3, 1], [5, 20]),
              (KVCacheLayout.PER_TOKEN_HEAD_QUANT, "int8_per_token_head", torch.bfloat16,
               [2, 1], [0, 33]),
-             # a long prefill (128-row tiles, 8 warps, edge-only masks) and a split-K decode
+             # long prefills (128-row tiles; at D=128 on a target of WIDE_PREFILL_ON the
+             # 256-row launch) and a split-K decode
              (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1100, 1], [0, 40]),
+             (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1100, 1], [0, 40], 128),
              (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1, 1], [2047, 1500])]
+    wide = target.gpu.vendor == "nvidia" and target.gpu.capability in tpa.WIDE_PREFILL_ON
     with patched(tpa, triton_unavailable_reason=lambda device: None,  # record on CPU tensors
-                 interpreter_active=lambda: False), \
+                 interpreter_active=lambda: False,
+                 wide_prefill_measured=lambda device: wide), \
          patched(kern, paged_attention_kernel=Recorder("paged", kern.paged_attention_kernel,
                                                        calls),
                  reduce_splits_kernel=Recorder("reduce", kern.reduce_splits_kernel, calls)):
-        for layout, cdt, dtype, ql, cl in cases:
+        for layout, cdt, dtype, ql, cl, *head in cases:
+            d = head[0] if head else 64
             batch = make_paged_batch(ql, cl, block_size=16)
-            shape = kv_cache_shape(layout, batch.num_blocks, 16, 2, 64)
+            shape = kv_cache_shape(layout, batch.num_blocks, 16, 2, d)
             cache = torch.zeros(shape, dtype=cache_storage_dtype(cdt, dtype))  # type: ignore[arg-type]
             quant = KVQuant(cdt, torch.ones(1), torch.ones(1))  # type: ignore[arg-type]
             kv = PagedKV.from_cache(cache, layout, quant, block_size=16, num_kv_heads=2,
-                                    head_size=64)
+                                    head_size=d)
             n = sum(ql)
-            q = torch.zeros(n, 8, 64, dtype=dtype)
-            out = torch.zeros(n, 8, 64, dtype=dtype)
+            q = torch.zeros(n, 8, d, dtype=dtype)
+            out = torch.zeros(n, 8, d, dtype=dtype)
             meta = PagedAttentionMetadata.from_common(batch.common)
             for sw in (None, 7):
                 tpa.paged_attention_triton(q, kv, meta, scale=0.1, output=out, causal=True,

@@ -202,3 +202,34 @@ def test_cuda_choose_path_for_long_prefills() -> None:
     assert choose_path(long.query, long.kv, long.batch.common) == (
         "triton" if measured else "flash_varlen")
     assert choose_path(wide.query, wide.kv, wide.batch.common) == "flash_varlen"
+
+
+def test_the_compile_check_compiles_the_256_row_launch_for_sm_90_only() -> None:
+    """``tools/triton_compile_check.py`` (run by CI without a GPU) records the 256-row
+    launch for its sm_90 target and, like the launcher, for no other target. In a
+    subprocess without ``TRITON_INTERPRET`` (the recorders load the compiled kernels)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton", reason="triton is not installed: the compile check needs it")
+    from vllm.attention.ops.triton_paged_attention import WIDE_PREFILL
+
+    root = Path(__file__).resolve().parents[2]
+    script = (
+        "import json, triton_compile_check as c\n"
+        "print(json.dumps({n: sorted({(k[3].get('BLOCK_M'), k[3].get('BLOCK_N'),"
+        " k[3].get('num_warps'), k[3].get('num_stages')) for k in c.record_paged(t)"
+        " if k[0] == 'paged'}) for n, t in c.TARGETS.items()}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tools"),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    launches = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "sm_90" in launches
+    for name, found in launches.items():
+        assert (list(WIDE_PREFILL) in found) == (name == "sm_90"), (name, found)
