@@ -170,9 +170,12 @@ def triton_measured_faster(batch: PagedBatchLike, kv: PagedKV, num_heads: int,
     H200 x torch's dense flash kernel, the Triton kernel ran 0.929 (8 x 2048 new tokens)
     and 0.937 (8 x (2048 cached + 2048 new)) with 128-row tiles, 1.034 and 1.126 with
     256-row tiles; this path, copies included, 0.813 and 0.920 (docs/paged_attention.md)."""
-    if kv.device.type != "cuda" or element_size != 2:
+    if element_size != 2:
         return None
-    if torch.cuda.get_device_capability(kv.device) not in TRITON_MEASURED_ON:
+    from vllm.attention.writers.kernels.device import gpu_of
+
+    gpu = gpu_of(kv.device)  # cached per device, unlike torch's query
+    if gpu is None or gpu.vendor != "nvidia" or gpu.capability not in TRITON_MEASURED_ON:
         return None
     from vllm.attention.ops.triton_paged_attention import choose_config, is_long_prefill_launch
 

@@ -214,18 +214,14 @@ WIDE_PREFILL_ON = ((9, 0),)
 """Compute capabilities where :data:`WIDE_PREFILL` was measured."""
 
 
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    major, minor = torch.cuda.get_device_capability(device)
-    return int(major), int(minor)
-
-
 def wide_prefill_measured(device: torch.device) -> bool:
     """Whether long prefills on ``device`` take :data:`WIDE_PREFILL` (NVIDIA devices of
-    :data:`WIDE_PREFILL_ON`; never under the interpreter or on ROCm)."""
-    if device.type != "cuda" or torch.version.hip is not None or interpreter_active():
-        return False
-    return _capability(device) in WIDE_PREFILL_ON
+    :data:`WIDE_PREFILL_ON`, as :func:`~vllm.attention.writers.kernels.device.gpu_of`
+    reports them; never under the interpreter or on ROCm)."""
+    from vllm.attention.writers.kernels.device import gpu_of
+
+    gpu = None if interpreter_active() else gpu_of(device)
+    return gpu is not None and gpu.vendor == "nvidia" and gpu.capability in WIDE_PREFILL_ON
 
 
 def is_long_prefill_launch(cfg: TritonLaunchConfig) -> bool:
