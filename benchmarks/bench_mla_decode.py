@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import sys
 import time
@@ -56,6 +57,7 @@ from vllm.attention.backends.mla.spec import MLALayerSpec, MLAProjection  # noqa
 from vllm.attention.batch import make_paged_batch  # noqa: E402
 from vllm.attention.layer import MLAAttention  # noqa: E402
 from vllm.attention.registry import get_backend  # noqa: E402
+from vllm.attention.writers.kernels.device import gpu_of  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
 
 L, R, P, V, PAGE = 512, 64, 128, 128, 64
@@ -136,19 +138,43 @@ class Step:
         q_lat: torch.Tensor = impl._absorb(self.q)
         return q_lat.contiguous()
 
-    def kernel(self, per_row: bool) -> Callable[[], torch.Tensor]:
+    def kernel(self, variant: str = "default") -> Callable[[], torch.Tensor]:
+        """The decode alone on the contiguous absorbed query: ``default`` (the launch the
+        device gets), ``triton`` (the Triton tensor-core kernel where the default is the
+        Gluon one) or ``per-row`` (the per-row kernel)."""
         from vllm.attention.ops.triton_mla import mla_decode_per_row, mla_decode_triton
+        from vllm.attention.ops.triton_mla_decode import default_config, mla_decode_mma
 
         q_lat = self.latent_query()
         fmt = self.layer.impl.latent_format(self.layer, torch.bfloat16)  # type: ignore[attr-defined]
         m = self.meta
         args = (q_lat, self.cache, m.block_table, m.decode_token_req, m.decode_token_pos, fmt)
-        if per_row:
+        if variant == "per-row":
             return lambda: mla_decode_per_row(*args, scale=self.spec.scale,
                                               max_seq_len=m.max_decode_seq_len)
+        if variant == "triton":
+            cfg = dataclasses.replace(default_config(q_lat.dtype, gpu_of(q_lat.device)),
+                                      gluon=False)
+            return lambda: mla_decode_mma(*args, scale=self.spec.scale,
+                                          max_seq_len=m.max_decode_seq_len, config=cfg,
+                                          out_dtype=torch.bfloat16)
         return lambda: mla_decode_triton(*args, scale=self.spec.scale,
                                          max_seq_len=m.max_decode_seq_len,
                                          out_dtype=torch.bfloat16)
+
+    def kernel_path(self) -> str:
+        """``gluon`` where the default decode runs the Gluon kernel, else ``triton``."""
+        from vllm.attention.ops.triton_mla_decode import (
+            default_config,
+            gluon_unsupported_reasons,
+        )
+
+        q = self.q
+        gpu = gpu_of(q.device)
+        fmt = self.layer.impl.latent_format(self.layer, torch.bfloat16)  # type: ignore[attr-defined]
+        use = (default_config(q.dtype, gpu).gluon and fmt.cache_dtype == "auto"
+               and not gluon_unsupported_reasons(q.dtype, self.cache, L, R, gpu))
+        return "gluon" if use else "triton"
 
     def parts(self) -> dict[str, Callable[[], object]]:
         """The layer's decode step piece by piece, as its forward runs them (a pure
@@ -192,10 +218,10 @@ class Step:
                                fmt, scale=self.spec.scale, dtype=torch.float64)
         return rows, ref
 
-    def check(self, requests: int = 4) -> float:
-        """Relative error of the Triton decode on the first ``requests`` requests'
-        tokens against float64 (:meth:`float64_reference`)."""
-        out = self.kernel(per_row=False)()
+    def check(self, variant: str = "default", requests: int = 4) -> float:
+        """Relative error of the decode ``variant`` (:meth:`kernel`) on the first
+        ``requests`` requests' tokens against float64 (:meth:`float64_reference`)."""
+        out = self.kernel(variant)()
         rows, ref = self.float64_reference(requests)
         return float((out[:rows].double() - ref).norm() / ref.norm())
 
@@ -248,12 +274,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 err = step.check()
                 tol = step.backend.tolerances[torch.bfloat16]
                 failed |= not err < tol
-                for per_row in (False, True):
-                    us = _time(step.kernel(per_row), device, args.replays)
-                    rows.append({**base, "what": "per-row kernel" if per_row else "decode kernel",
-                                 "path": "triton", "us": us,
-                                 "fraction": roof["roofline_us"] / us,
-                                 "rel_err": None if per_row else err})
+                kernel_path = step.kernel_path()
+                variants = [("decode kernel", "default", kernel_path, err)]
+                if kernel_path == "gluon":  # the Triton kernel it replaces, beside it
+                    err_t = step.check("triton")
+                    failed |= not err_t < tol
+                    variants.append(("decode kernel", "triton", "triton", err_t))
+                variants.append(("per-row kernel", "per-row", "triton", None))
+                for what, variant, kpath, kerr in variants:
+                    us = _time(step.kernel(variant), device, args.replays)
+                    rows.append({**base, "what": what, "path": kpath, "us": us,
+                                 "fraction": roof["roofline_us"] / us, "rel_err": kerr})
                 if cuda or args.interpret:  # where the layer's time goes
                     for part, fn in step.parts().items():
                         us = _time(fn, device, args.replays)

@@ -28,7 +28,6 @@ import multiprocessing
 import os
 import re
 import sys
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,6 +38,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
 
 from vllm.attention.writers.kernels import device as writer_device  # noqa: E402
 
@@ -119,9 +120,8 @@ def _sig(fn: Any, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[str, 
     for name, arg in zip(names, args):
         if isinstance(arg, torch.Tensor):
             sig[name] = "*" + _TYPES[arg.dtype]
-        elif type(arg).__name__ == "TensorDescriptor":  # host TMA descriptor
-            sig[name] = (f"tensordesc<{_TYPES[arg.base.dtype]}"
-                         f"[{', '.join(map(str, arg.block_shape))}]>")
+        elif type(arg).__name__ == "TensorDescriptor":  # host TMA descriptor (Gluon's: with
+            sig[name] = mangle_type(arg)                  # its shared-memory layout)
         elif isinstance(arg, bool):
             sig[name] = "i1"
         elif isinstance(arg, int):
@@ -133,6 +133,9 @@ def _sig(fn: Any, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[str, 
     for name, val in kwargs.items():
         sig[name] = "constexpr"
         consts[name] = val
+    if "num_warps" in names and "num_warps" in options:  # a Gluon kernel's parameter too
+        sig["num_warps"] = "constexpr"
+        consts["num_warps"] = options["num_warps"]
     missing = set(names) - set(sig)
     if missing:
         raise TypeError(f"unbound kernel args {missing}")
@@ -191,6 +194,7 @@ def record_paged(target: Target) -> list[Call]:
 
 
 def record_mla(target: Target) -> list[Call]:
+    from vllm.attention.ops import gluon_mla_decode_kernels as gkern
     from vllm.attention.ops import triton_mla, triton_mla_decode
     from vllm.attention.ops import triton_mla_decode_kernels as dkern
     from vllm.attention.ops import triton_mla_kernels as kern
@@ -208,6 +212,8 @@ def record_mla(target: Target) -> list[Call]:
     with as_gpu(target.gpu), \
             patched(triton_mla, _kernels=lambda interp: rec, _interpreting=lambda: False), \
             patched(triton_mla_decode, _kernels=lambda interp: drec,
+                    _gluon_kernel=lambda: Recorder("mla_decode_gluon",
+                                                   gkern.mla_decode_gluon_kernel, calls),
                     _interpreting=lambda: False,
                     _device_facts=lambda device: (132, target.gpu)):
         for cdt, storage, width in (("auto", torch.bfloat16, 576),
@@ -219,9 +225,14 @@ def record_mla(target: Target) -> list[Call]:
             triton_mla.mla_decode_triton(q, cache, bt, req, pos, fmt, scale=0.1,
                                          max_seq_len=101)
             if cdt != "fp8_ds_mla":  # DeepSeek-V3's 128 heads: the 64-head tiles
-                triton_mla.mla_decode_triton(torch.zeros(2, 128, 576, dtype=torch.bfloat16),
-                                             cache, bt, req, pos, fmt, scale=0.1,
+                q128 = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
+                triton_mla.mla_decode_triton(q128, cache, bt, req, pos, fmt, scale=0.1,
                                              max_seq_len=101)
+                # the Triton kernel where the default is the Gluon one (sm_90, 16-bit)
+                cfg = triton_mla_decode.default_config(torch.bfloat16, target.gpu)
+                triton_mla_decode.mla_decode_mma(
+                    q128, cache, bt, req, pos, fmt, scale=0.1, max_seq_len=101,
+                    config=dataclasses.replace(cfg, gluon=False))
             topk = torch.zeros(2, 64, dtype=torch.int32)
             triton_mla.mla_sparse_triton(q, cache, topk, req, pos, bt, fmt, scale=0.1)
     return calls
@@ -439,7 +450,8 @@ def _compile(index: int) -> tuple[int, str | None]:
     target, group, (name, fn, args, kwargs) = _JOBS[index]
     try:
         sig, consts, options = _sig(fn, args, dict(kwargs))
-        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+        source = GluonASTSource if fn.is_gluon() else ASTSource
+        src = source(fn=fn, signature=sig, constexprs=consts)
         compiled = triton.compile(src, target=target.backend, options=options)
         return index, problem(target, group, name, consts, compiled.asm)
     except Exception as exc:

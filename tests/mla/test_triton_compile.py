@@ -76,6 +76,8 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
+from vllm.attention.ops import gluon_mla_decode_kernels as gkern
 from triton.runtime.jit import create_function_from_signature
 from vllm.attention.ops import triton_mla_decode as tmd
 from vllm.attention.ops import triton_mla_decode_kernels as kern
@@ -90,7 +92,8 @@ def compile_like_jit(fn, args, kwargs, target):
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, spec, _ = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, None)
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    source = GluonASTSource if fn.is_gluon() else ASTSource
+    src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=target, options=options.__dict__)
 
 def spill_bytes(cubin):
@@ -107,6 +110,7 @@ class Rec:
     def __getitem__(self, grid):
         return lambda *a, **k: calls.append((self.fn, a, k))
 tmd._kernels = lambda interp: (Rec(kern.mla_decode_mma_kernel), Rec(kern.mla_decode_combine_kernel))
+tmd._gluon_kernel = lambda: Rec(gkern.mla_decode_gluon_kernel)
 tmd._interpreting = lambda: False
 failures = 0
 for cap in (80, 90, 100):

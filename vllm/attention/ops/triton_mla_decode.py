@@ -13,6 +13,7 @@ limits. Triton is imported on first use only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -53,7 +54,10 @@ class MLADecodeConfig:
     warpgroups would otherwise compute every score); ``fp8_fp16_dot``: with an fp8
     cache and a bfloat16 model, the dots run in float16 (one instruction widens two
     E4M3 values to float16, three to bfloat16; the query is scaled into float16's range
-    exactly, a power of two a head).
+    exactly, a power of two a head); ``gluon``: on NVIDIA sm_90 with a 16-bit cache,
+    the Gluon kernel of :mod:`vllm.attention.ops.gluon_mla_decode_kernels` (its own
+    tiles: 64 heads, 64 rows, 8 warps, two key buffers), where
+    :func:`gluon_unsupported_reasons` is empty; elsewhere the fields above.
     """
 
     block_h: int
@@ -67,6 +71,7 @@ class MLADecodeConfig:
     split_scores: bool = False
     fp8_fp16_dot: bool = True
     heads_as_n: bool = False
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n"):
@@ -123,8 +128,10 @@ def default_config(q_dtype: torch.dtype, gpu: GPU | None, *, num_heads: int = 12
         # 128 registers a thread; the warpgroups split the keys of the scores (each
         # computes 32 of a tile's 64) instead of both computing all of them, and the
         # latent is one [64, 512] operand (one wait, m64n256 value MMAs)
+        # 16-bit caches take the Gluon kernel (the same tiles, its own schedule:
+        # docs/mla.md), fp8 ones these
         return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2,
-                               latent_chunks=1, split_scores=True)
+                               latent_chunks=1, split_scores=True, gluon=True)
     if capability[0] >= 10:
         # the [64, 512] float32 accumulator and the scores exceed the 512 columns of
         # Blackwell's tensor memory: each half of the values gets its own program
@@ -214,21 +221,109 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
     return k.mla_decode_mma_kernel, k.mla_decode_combine_kernel
 
 
+def _tma_rows(cache: torch.Tensor) -> torch.Tensor | None:
+    """The cache seen as ``[nb * bs, L + R]`` rows for TMA descriptors, or None where
+    its layout does not allow them (rows not 16-byte aligned, pages not contiguous)."""
+    nb, bs, width = cache.shape
+    row = cache.stride(1)
+    if (cache.stride(0) != bs * row or (row * cache.element_size()) % 16
+            or cache.data_ptr() % 16 or nb * bs >= 2**31):
+        return None
+    return cache.as_strided((nb * bs, width), (row, 1))
+
+
 def _descriptors(cache: torch.Tensor, block_n: int, lc: int,
                  block_r: int) -> tuple[Any, Any] | None:
     """TMA descriptors of a latent chunk and of the rope part, over the cache seen as
     ``[nb * bs, L + R]``, or None where the layout does not allow them."""
-    nb, bs, width = cache.shape
+    rows = _tma_rows(cache)
     size = cache.element_size()
-    row = cache.stride(1)
-    if (cache.stride(0) != bs * row or (row * size) % 16 or cache.data_ptr() % 16
-            or lc * size < 16 or block_r * size < 16 or nb * bs >= 2**31):
+    if rows is None or lc * size < 16 or block_r * size < 16:
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    rows = cache.as_strided((nb * bs, width), (row, 1))
-    return (TensorDescriptor(rows, [nb * bs, width], [row, 1], [block_n, lc]),
-            TensorDescriptor(rows, [nb * bs, width], [row, 1], [block_n, block_r]))
+    shape, strides = list(rows.shape), list(rows.stride())
+    return (TensorDescriptor(rows, shape, strides, [block_n, lc]),
+            TensorDescriptor(rows, shape, strides, [block_n, block_r]))
+
+
+GLUON_TILE = 64
+"""The Gluon kernel's heads and rows a tile."""
+_GLUON_SMEM = 232448
+"""Shared memory a block may use on sm_90 (227 KiB)."""
+
+
+@functools.cache
+def _gluon_available() -> str | None:
+    """Why this Triton cannot build the Gluon kernel (None when it can)."""
+    try:
+        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+        import triton.experimental.gluon.nvidia.hopper  # noqa: F401
+    except ImportError as exc:
+        return f"this Triton has no Gluon for Hopper ({exc})"
+    return None
+
+
+def gluon_unsupported_reasons(q_dtype: torch.dtype, kv_cache: torch.Tensor, kv_lora_rank: int,
+                              rope_dim: int, gpu: GPU | None) -> list[str]:
+    """Why the Gluon kernel cannot take this decode (empty: it can). ``gpu``: the
+    device's (None under the interpreter or on CPU)."""
+    reasons = []
+    if _interpreting():
+        reasons.append("the Triton interpreter runs no Gluon kernel")
+    if _nvidia(gpu) != (9, 0):
+        reasons.append(f"device {gpu}: the Gluon kernel is written for NVIDIA sm_90 "
+                       "(warpgroup MMAs, TMA) and measured there")
+    if q_dtype not in _HALF or kv_cache.dtype != q_dtype:
+        reasons.append(f"query {q_dtype} and cache {kv_cache.dtype}: the Gluon kernel takes "
+                       "a float16 or bfloat16 cache in the query's dtype")
+    L, R = kv_lora_rank, rope_dim
+    if L & (L - 1) or not 64 <= L <= 512:
+        reasons.append(f"kv_lora_rank={L}: the Gluon kernel takes a power of two in 64..512")
+    if R & (R - 1) or not 8 <= R <= 256:
+        reasons.append(f"rope_dim={R}: the Gluon kernel takes a power of two in 8..256")
+    # the query and two key tiles of L + R 16-bit values a row, and P
+    smem = 3 * GLUON_TILE * (L + R) * 2 + GLUON_TILE * GLUON_TILE * 2 + 1024
+    if smem > _GLUON_SMEM:
+        reasons.append(f"kv_lora_rank + rope_dim = {L + R}: the Gluon kernel's tiles would "
+                       f"need {smem} bytes of shared memory, sm_90 has {_GLUON_SMEM}")
+    page = int(kv_cache.shape[1]) if kv_cache.dim() == 3 else 0
+    if page % GLUON_TILE:
+        reasons.append(f"page size {page}: the Gluon kernel's tiles are {GLUON_TILE} rows "
+                       "of one page")
+    if kv_cache.dim() == 3 and _tma_rows(kv_cache) is None:
+        reasons.append(f"cache strides {tuple(kv_cache.stride())}: TMA needs contiguous "
+                       "pages of 16-byte aligned rows")
+    missing = _gluon_available()
+    if missing is not None:
+        reasons.append(missing)
+    return reasons
+
+
+def _gluon_descriptors(cache: torch.Tensor, L: int, R: int) -> tuple[Any, Any]:
+    """Gluon TMA descriptors of the latent ``[64, L]`` and rope ``[64, R]`` blocks of
+    the cache seen as ``[nb * bs, L + R]`` (:func:`gluon_unsupported_reasons` checked
+    that it can be)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows = _tma_rows(cache)
+    assert rows is not None  # checked by gluon_unsupported_reasons
+    dtype = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
+    shape, strides = list(rows.shape), list(rows.stride())
+
+    def desc(width: int) -> Any:
+        block = [GLUON_TILE, width]
+        return TensorDescriptor(rows, shape, strides, block,
+                                gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+    return desc(L), desc(R)
+
+
+def _gluon_kernel() -> Any:
+    from vllm.attention.ops.gluon_mla_decode_kernels import mla_decode_gluon_kernel
+
+    return mla_decode_gluon_kernel
 
 
 def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -290,6 +385,10 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
             "0.18) and made an illegal memory access on an H200 (2026-12-01, "
             "benchmarks/results/h200/2026-12-01-3c3e403); it runs under the "
             "interpreter only until that is found (docs/mla.md)")
+    use_gluon = cfg.gluon and not gluon_unsupported_reasons(q_lat.dtype, kv_cache, L, R, gpu)
+    if use_gluon:  # its own tiles
+        cfg = dataclasses.replace(cfg, block_h=GLUON_TILE, block_n=GLUON_TILE, num_warps=8,
+                                  v_split=1, heads_as_n=False)
     block_l = _next_pow2(L)
     chunks = 1 if block_l <= _MAX_BOX else cfg.latent_chunks
     lc = block_l // chunks
@@ -312,7 +411,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                                block_n=block_n, slots=slots)
     if not 1 <= splits <= MAX_SPLITS:
         raise InvalidArgumentError("num_splits", splits, f"1..{MAX_SPLITS}")
-    decode_kernel, combine_kernel = _kernels(interp)
+    combine_kernel = _kernels(interp)[1]
     q = q_nope if q_nope.stride(2) == 1 else q_nope.contiguous()
     qe = q_pe if q_pe.stride(2) == 1 else q_pe.contiguous()
     cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
@@ -328,6 +427,44 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         lse_part = torch.empty(t, n, splits, dtype=torch.float32, device=q.device)
         part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2),
                         lse_part.stride(0), lse_part.stride(1))
+    if use_gluon:
+        lat_d, pe_d = _gluon_descriptors(cache, L, R)
+        _gluon_kernel()[(head_tiles, splits, t)](
+            q, qe, lat_d, pe_d, cache, bt, req, pos, out, o_part, lse_part,
+            q.stride(0), q.stride(1), qe.stride(0), qe.stride(1),
+            cache.stride(0), cache.stride(1), bt.stride(0),
+            out.stride(0), out.stride(1), *part_strides,
+            n, scale, splits,
+            KV_LORA=L, ROPE=R, PAGE=page, SINGLE=single, BLOCK_H=GLUON_TILE,
+            BLOCK_N=GLUON_TILE, num_warps=8,
+        )
+    else:
+        _launch_triton(q, qe, cache, bt, req, pos, out, o_part, lse_part, part_strides, fmt,
+                       cfg, gpu, interp, fp8=fp8, splits=splits, single=single, page=page,
+                       block_n=block_n, block_h=block_h, head_tiles=head_tiles, chunks=chunks,
+                       lc=lc, block_r=block_r, v_split=v_split, scale=scale,
+                       max_seq_len=max_seq_len)
+    if not single:
+        combine_kernel[(n, t)](
+            o_part, lse_part, out, *part_strides, out.stride(0), out.stride(1), splits,
+            KV_LORA=L, BLOCK_S=_next_pow2(splits), BLOCK_L=block_l, num_warps=4,
+        )
+    return out
+
+
+def _launch_triton(q: torch.Tensor, qe: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor,
+                   req: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
+                   o_part: torch.Tensor, lse_part: torch.Tensor,
+                   part_strides: tuple[int, ...], fmt: LatentFormat, cfg: MLADecodeConfig,
+                   gpu: GPU | None, interp: bool, *, fp8: int, splits: int, single: bool,
+                   page: int, block_n: int, block_h: int, head_tiles: int, chunks: int,
+                   lc: int, block_r: int, v_split: int, scale: float,
+                   max_seq_len: int) -> None:
+    """The Triton decode kernel's launch (:func:`mla_decode_mma` prepared its
+    arguments)."""
+    t, n = q.shape[0], q.shape[1]
+    L, R = fmt.kv_lora_rank, fmt.rope_dim
+    decode_kernel = _kernels(interp)[0]
     tile_in_page = page % block_n == 0
     tma_ok = cfg.tma and tile_in_page and (interp or (_nvidia(gpu) or (0, 0)) >= (9, 0))
     descs = _descriptors(cache, block_n, lc, block_r) if tma_ok else None
@@ -354,9 +491,3 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if not single:
-        combine_kernel[(n, t)](
-            o_part, lse_part, out, *part_strides, out.stride(0), out.stride(1), splits,
-            KV_LORA=L, BLOCK_S=_next_pow2(splits), BLOCK_L=block_l, num_warps=4,
-        )
-    return out

@@ -1,0 +1,124 @@
+"""The Gluon MLA decode (NVIDIA sm_90, 16-bit caches): where it is taken and why not
+elsewhere (CPU), and its outputs against float64 on the GPU (skipped without an sm_90
+GPU): float16 and bfloat16, head counts that fill no tile and several tiles, tails of
+every length, one split and many, NaN in every slot no request owns, a cache that
+stays as it was, and a query and output with strides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.mla.helpers import latent_decode_reference, shuffled_block_table
+from vllm.attention.ops.mla_attention import LatentFormat
+from vllm.attention.registry import get_backend
+from vllm.attention.writers.kernels.device import GPU
+
+L, R, PAGE = 512, 64, 64
+H90 = GPU("nvidia", (9, 0))
+
+
+def _reasons(q_dtype: torch.dtype = torch.bfloat16, cache_dtype: torch.dtype = torch.bfloat16,
+             page: int = PAGE, L_: int = L, R_: int = R, gpu: GPU | None = H90) -> list[str]:
+    from vllm.attention.ops.triton_mla_decode import gluon_unsupported_reasons
+
+    cache = torch.zeros(2, page, L_ + R_, dtype=cache_dtype)
+    return gluon_unsupported_reasons(q_dtype, cache, L_, R_, gpu)
+
+
+def test_gluon_is_the_sm90_default_for_16_bit_caches_only(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    monkeypatch.setattr(tmd, "_interpreting", lambda: False)
+    assert tmd.default_config(torch.bfloat16, H90).gluon
+    assert not tmd.default_config(torch.bfloat16, GPU("nvidia", (10, 0))).gluon
+    assert not tmd.default_config(torch.bfloat16, GPU("nvidia", (8, 0))).gluon
+    assert not tmd.default_config(torch.bfloat16, None).gluon
+    assert _reasons() == []
+    assert _reasons(torch.float16, torch.float16) == []
+
+
+@pytest.mark.parametrize("case, words", [
+    (dict(gpu=GPU("nvidia", (10, 0))), "sm_90"),
+    (dict(gpu=GPU("amd", (9, 4))), "sm_90"),
+    (dict(gpu=None), "sm_90"),
+    (dict(cache_dtype=torch.float8_e4m3fn), "float8_e4m3fn"),
+    (dict(q_dtype=torch.float32, cache_dtype=torch.float32), "float32"),
+    (dict(q_dtype=torch.float16), "query torch.float16 and cache torch.bfloat16"),
+    (dict(page=16), "page size 16"),
+    (dict(page=96), "page size 96"),
+    (dict(L_=384), "kv_lora_rank=384"),
+    (dict(R_=48), "rope_dim=48"),
+    (dict(L_=512, R_=256), "shared memory"),
+])
+def test_gluon_says_why_not(case: dict[str, object], words: str,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    monkeypatch.setattr(tmd, "_interpreting", lambda: False)
+    reasons = _reasons(**case)  # type: ignore[arg-type]
+    assert reasons and any(words in r for r in reasons), reasons
+
+
+def test_gluon_is_not_taken_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    monkeypatch.setattr(tmd, "_interpreting", lambda: True)
+    assert any("interpreter" in r for r in _reasons())
+
+
+# -- on the GPU ------------------------------------------------------------------------
+
+SEQ_LENS = [4096, 1, 63, 64, 65, 127, 3001, 200]
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _case(heads: int, dtype: torch.dtype, seed: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    bt, nb = shuffled_block_table(SEQ_LENS, PAGE, g, spare=2)
+    cache = torch.empty(nb, PAGE, L + R, dtype=dtype, device="cuda")
+    cache.view(torch.uint8).fill_(0xFF)  # NaN in every slot no request owns
+    for r, n in enumerate(SEQ_LENS):
+        pos = torch.arange(n)
+        rows = torch.randn(n, L + R, generator=g).to(dtype)
+        cache[bt[r, pos // PAGE].long().cuda(), (pos % PAGE).cuda()] = rows.cuda()
+    tokens = [(r, n - 1) for r, n in enumerate(SEQ_LENS)]
+    # the query as the layer has it: a strided view of a wider buffer
+    wide = torch.randn(len(tokens), heads, L + R + 8, generator=g).to(dtype).cuda()
+    return dict(cache=cache, bt=bt.cuda(), tokens=tokens, q=wide[..., :L + R],
+                req=torch.tensor([r for r, _ in tokens], dtype=torch.int32, device="cuda"),
+                pos=torch.tensor([p for _, p in tokens], dtype=torch.int32, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon kernel runs on NVIDIA sm_90 only")
+@pytest.mark.parametrize("splits", [None, 1, 3, 64], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("heads", [16, 20, 128, 130])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gluon_against_float64(dtype: torch.dtype, heads: int, splits: int | None) -> None:
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    x = _case(heads, dtype, seed=heads + (splits or 0))
+    cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
+    q: torch.Tensor = x["q"]  # type: ignore[assignment]
+    assert tmd.gluon_unsupported_reasons(dtype, cache, L, R, tmd.gpu_of(cache.device)) == []
+    before = cache.view(torch.uint8).clone()
+    fmt = LatentFormat("auto", L, R, torch.ones(1, device="cuda"), dtype)
+    scale = 192 ** -0.5
+    # the latent and rope parts as separate strided views, as the layer passes them
+    out = tmd.mla_decode_mma(q[..., :L], cache, x["bt"], x["req"], x["pos"], fmt,  # type: ignore[arg-type]
+                             scale=scale, max_seq_len=max(SEQ_LENS), num_splits=splits,
+                             out_dtype=dtype, q_pe=q[..., L:])
+    ref = latent_decode_reference(q, cache, x["bt"], x["tokens"], L, scale, None)  # type: ignore[arg-type]
+    assert torch.equal(cache.view(torch.uint8), before)
+    assert torch.isfinite(out).all()
+    tol = get_backend("TRITON_MLA").tolerances[dtype]
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err < tol, err
+    # every token, every head: no row may be off while the whole is within tolerance
+    rows = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
+    assert float(rows) < 4 * tol, float(rows)

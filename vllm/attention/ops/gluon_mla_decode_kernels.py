@@ -1,0 +1,217 @@
+"""The dense MLA decode for Hopper (sm_90) in Gluon, 16-bit caches (imported on first use).
+
+Same algorithm as :func:`~vllm.attention.ops.triton_mla_decode_kernels.mla_decode_mma_kernel`
+(``BLOCK_H`` heads as the M of ``S = Q @ K^T`` and ``O += P @ K[:, :L]``, an online
+softmax in base 2 between them, split-KV), written with explicit asynchronous copies
+and warpgroup MMAs so the schedule is the kernel's own rather than the compiler's:
+
+* the next tile's TMA copy is issued at the start of an iteration, as soon as the
+  previous value MMA (the last reader of that buffer) has finished, so it overlaps
+  the whole iteration: the score MMAs, the softmax and the value MMA. Triton's
+  pipeliner issues it at the end of the iteration, after the score MMAs' wait and the
+  softmax, which left most of a tile's load latency exposed;
+* the value MMA is left in flight across the loop's back edge and waited for only
+  where its accumulator or its operands are needed again.
+
+The eight warps are two warpgroups laid ``[4, 2]``: each computes half of a tile's
+keys in the score MMAs and half of the latent columns in the value MMA (P goes
+through shared memory, so both see all of it). The last, partial tile of a split is
+read with masked pointer loads (a slot past the request's last position may hold
+anything, NaN too, and a zero probability times NaN is NaN). The launcher is
+:mod:`vllm.attention.ops.triton_mla_decode`; ``docs/mla.md`` explains the choices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+jit: Callable[[Callable[..., Any]], Any] = gluon.jit
+"""``gluon.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+
+
+@jit
+def _issue_tile(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor, BT: gl.tensor, req: gl.tensor, n0: gl.tensor, stride_bt: gl.tensor,
+                bar: gl.shared_memory_descriptor, ka: gl.shared_memory_descriptor, kp: gl.shared_memory_descriptor, pred: gl.tensor, KV_LORA: gl.constexpr, PAGE: gl.constexpr,
+                BLOCK_N: gl.constexpr) -> None:
+    """Start the TMA copy of rows ``n0 .. n0 + BLOCK_N`` (inside one page) into ``ka``
+    (latent) and ``kp`` (rope), completing on ``bar``; nothing when ``pred`` is false."""
+    blk = gl.load(BT + req * stride_bt + n0 // PAGE, mask=pred, other=0)
+    row = blk * PAGE + n0 % PAGE
+    mbarrier.expect(bar, LAT_DESC.block_type.nbytes + PE_DESC.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(LAT_DESC, [row, 0], bar, ka, pred=pred)
+    tma.async_copy_global_to_shared(PE_DESC, [row, KV_LORA], bar, kp, pred=pred)
+
+
+@jit
+def _attend(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor, ka: gl.shared_memory_descriptor, kp: gl.shared_memory_descriptor, p_s: gl.shared_memory_descriptor, acc: gl.tensor, m_i: gl.tensor, l_i: gl.tensor,
+            qk_scale: gl.tensor, n_valid: gl.tensor, MASKED: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
+            BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr) -> gl.tensor:  # (acc in flight, m_i, l_i)
+    """One tile: the score MMAs (waited for), the online softmax, and the value MMA,
+    left in flight. ``acc``: the accumulator, no MMA of it in flight; ``MASKED``: keys
+    at or past ``n_valid`` get probability zero."""
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+    s = warpgroup_mma(q_s, ka.permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(qp_s, kp.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_s, qp_s, ka, kp))[0]
+    s = s * qk_scale
+    if MASKED:
+        keys = gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
+        s = gl.where((keys < n_valid)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    # -inf only before the first key (m_i) or for a tile without one (not launched)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_safe[:, None])
+    alpha = gl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    # every warp's P in shared memory, visible to the MMA (the async proxy), before
+    # either warpgroup reads all of it
+    p_s.store(p.to(ka.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    acc = warpgroup_mma(p_s, ka, acc, is_async=True)
+    return acc, m_new, l_i
+
+
+@jit
+def mla_decode_gluon_kernel(
+    Q: gl.tensor, Q_PE: gl.tensor, LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor, C: gl.tensor, BT: gl.tensor, TOK_REQ: gl.tensor,
+    TOK_POS: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor, LSE_PART: gl.tensor,
+    stride_qt: gl.tensor, stride_qh: gl.tensor, stride_et: gl.tensor, stride_eh: gl.tensor,
+    stride_cb: gl.tensor, stride_cs: gl.tensor, stride_bt: gl.tensor, stride_xt: gl.tensor, stride_xh: gl.tensor,
+    stride_pt: gl.tensor, stride_ph: gl.tensor, stride_ps: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
+    num_heads: gl.tensor, sm_scale: gl.tensor, num_splits: gl.tensor,
+    KV_LORA: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr, SINGLE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    num_warps: gl.constexpr,
+) -> None:
+    """One (head tile, split, token) program; grid ``(head tiles, splits, tokens)``.
+
+    ``Q``: ``[T, N, L]`` and ``Q_PE``: ``[T, N, R]`` in the cache's 16-bit dtype, unit
+    stride on the last axis; ``LAT_DESC`` / ``PE_DESC``: TMA descriptors over the cache
+    seen as ``[nb * PAGE, L + R]`` with blocks ``[BLOCK_N, L]`` and ``[BLOCK_N, R]``;
+    ``C``: the cache ``(nb, PAGE, L + R)``; ``BT``: ``[reqs, max_blocks]`` int32;
+    ``TOK_REQ`` / ``TOK_POS``: ``[T]`` int32 (token ``t`` sees positions ``0 ..
+    TOK_POS[t]``). ``SINGLE``: one split, the normalised output to ``OUT`` ``[T, N, L]``;
+    else float32 ``O_PART`` ``[T, N, S, L]`` and ``LSE_PART`` ``[T, N, S]`` (base 2,
+    ``-inf`` for an empty split) for the combine kernel. ``PAGE`` is a multiple of
+    ``BLOCK_N``: a tile is one page's rows.
+    """
+    gl.static_assert(num_warps == 8, "two warpgroups")
+    gl.static_assert(PAGE % BLOCK_N == 0, "a tile inside one page")
+    dtype: gl.constexpr = Q.dtype.element_ty
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, KV_LORA // 2, 16])
+    # 16-byte vectors along a row, for the query and the partial tile
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+
+    hb = gl.program_id(0)
+    sp = gl.program_id(1)
+    t = gl.program_id(2).to(gl.int64)  # offsets of t can pass 2**31
+    req = gl.load(TOK_REQ + t).to(gl.int64)
+    n_keys = gl.load(TOK_POS + t) + 1
+    # splits start at multiples of BLOCK_N, so a tile never straddles two pages
+    per_split = gl.cdiv(gl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+    start = sp * per_split
+    end = gl.maximum(gl.minimum(start + per_split, n_keys), start)
+    n_full = (end - start) // BLOCK_N
+
+    # the buffers: the query (kept), two key tiles, P
+    ka_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA], LAT_DESC.layout)
+    kp_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], PE_DESC.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(bars.index(i), count=1)
+    # the first tile's copy before the query's loads
+    _issue_tile(LAT_DESC, PE_DESC, BT, req, start, stride_bt, bars.index(0), ka_bufs.index(0),
+                kp_bufs.index(0), n_full > 0, KV_LORA, PAGE, BLOCK_N)
+
+    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LOAD))
+    mask_h = (offs_h < num_heads)[:, None]
+    offs_l = gl.arange(0, KV_LORA, gl.SliceLayout(0, LOAD))
+    offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
+    q = gl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_l[None, :],
+                mask=mask_h, other=0.0)
+    q_s = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA], LAT_DESC.layout, q)
+    qp = gl.load(Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :],
+                 mask=mask_h, other=0.0)
+    qp_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], PE_DESC.layout, qp)
+    p_s = gl.allocate_shared_memory(
+        dtype, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N],
+                                                                        dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    qk_scale = sm_scale * LOG2E
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    # an accumulator with (formally) an MMA in flight, the type the loop carries
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, KV_LORA], gl.float32, O_LAYOUT))
+    for j in range(n_full):
+        buf = j % 2
+        # the previous value MMA, in both warpgroups, is the last reader of the other
+        # buffer and of P: then the next tile's copy starts, a whole iteration ahead
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        gl.thread_barrier()
+        nxt = j + 1
+        _issue_tile(LAT_DESC, PE_DESC, BT, req, start + nxt * BLOCK_N, stride_bt,
+                    bars.index(nxt % 2), ka_bufs.index(nxt % 2), kp_bufs.index(nxt % 2),
+                    nxt < n_full, KV_LORA, PAGE, BLOCK_N)
+        mbarrier.wait(bars.index(buf), (j // 2) & 1)
+        acc, m_i, l_i = _attend(q_s, qp_s, ka_bufs.index(buf), kp_bufs.index(buf), p_s, acc,
+                                m_i, l_i, qk_scale, BLOCK_N, False, S_LAYOUT, O_LAYOUT,
+                                BLOCK_H, BLOCK_N)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    tail = start + n_full * BLOCK_N
+    if tail < end:
+        # the rows past the last position load as zeros, into the buffer no copy and no
+        # MMA uses any more
+        gl.thread_barrier()
+        ka = ka_bufs.index(n_full % 2)
+        kp = kp_bufs.index(n_full % 2)
+        rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, LOAD))
+        valid = (tail + rows < end)[:, None]
+        blk = gl.load(BT + req * stride_bt + tail // PAGE).to(gl.int64)
+        base = (C + blk * stride_cb + (tail % PAGE).to(gl.int64) * stride_cs
+                + rows[:, None] * stride_cs)
+        ka.store(gl.load(base + offs_l[None, :], mask=valid, other=0.0))
+        kp.store(gl.load(base + KV_LORA + offs_r[None, :], mask=valid, other=0.0))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc, m_i, l_i = _attend(q_s, qp_s, ka, kp, p_s, acc, m_i, l_i, qk_scale, end - tail,
+                                True, S_LAYOUT, O_LAYOUT, BLOCK_H, BLOCK_N)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(bars.index(i))
+
+    seen = l_i > 0.0
+    norm = gl.convert_layout(1.0 / gl.where(seen, l_i, 1.0), gl.SliceLayout(1, O_LAYOUT))
+    out = acc * norm[:, None]
+    oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, O_LAYOUT))
+    oc = gl.arange(0, KV_LORA, gl.SliceLayout(0, O_LAYOUT))
+    omask = (oh < num_heads)[:, None]
+    if SINGLE:
+        gl.store(OUT + t * stride_xt + oh[:, None] * stride_xh + oc[None, :],
+                 out.to(OUT.dtype.element_ty), mask=omask)
+    else:
+        gl.store(O_PART + t * stride_pt + oh[:, None] * stride_ph + sp * stride_ps
+                 + oc[None, :], out, mask=omask)
+        lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+        lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, S_LAYOUT))
+        gl.store(LSE_PART + t * stride_lt + lh * stride_lh + sp, lse, mask=lh < num_heads)
