@@ -44,12 +44,21 @@ LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
 @jit
-def _issue_tile(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor, BT: gl.tensor, req: gl.tensor, n0: gl.tensor, stride_bt: gl.tensor,
-                bar: gl.shared_memory_descriptor, ka: gl.shared_memory_descriptor, kp: gl.shared_memory_descriptor, pred: gl.tensor, KV_LORA: gl.constexpr, PAGE: gl.constexpr,
-                BLOCK_N: gl.constexpr) -> None:
-    """Start the TMA copy of rows ``n0 .. n0 + BLOCK_N`` (inside one page) into ``ka``
-    (latent) and ``kp`` (rope), completing on ``bar``; nothing when ``pred`` is false."""
-    blk = gl.load(BT + req * stride_bt + n0 // PAGE, mask=pred, other=0)
+def _block_of(BT: gl.tensor, req: gl.tensor, n0: gl.tensor, stride_bt: gl.tensor,
+              pred: gl.tensor, PAGE: gl.constexpr) -> gl.tensor:
+    """The cache block holding position ``n0`` of the request (0 when ``pred`` is
+    false)."""
+    return gl.load(BT + req * stride_bt + n0 // PAGE, mask=pred, other=0)
+
+
+@jit
+def _issue_tile(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor,
+                blk: gl.tensor, n0: gl.tensor, bar: gl.shared_memory_descriptor,
+                ka: gl.shared_memory_descriptor, kp: gl.shared_memory_descriptor,
+                pred: gl.tensor, KV_LORA: gl.constexpr, PAGE: gl.constexpr) -> None:
+    """Start the TMA copy of rows ``n0 .. n0 + BLOCK_N`` (inside block ``blk``) into
+    ``ka`` (latent) and ``kp`` (rope), completing on ``bar``; nothing when ``pred`` is
+    false."""
     row = blk * PAGE + n0 % PAGE
     mbarrier.expect(bar, LAT_DESC.block_type.nbytes + PE_DESC.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(LAT_DESC, [row, 0], bar, ka, pred=pred)
@@ -57,34 +66,40 @@ def _issue_tile(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor,
 
 
 @jit
-def _attend(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor, ka: gl.shared_memory_descriptor, kp: gl.shared_memory_descriptor, p_s: gl.shared_memory_descriptor, acc: gl.tensor, m_i: gl.tensor, l_i: gl.tensor,
-            qk_scale: gl.tensor, n_valid: gl.tensor, MASKED: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
-            BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr) -> gl.tensor:  # (acc in flight, m_i, l_i)
-    """One tile: the score MMAs (waited for), the online softmax, and the value MMA,
-    left in flight. ``acc``: the accumulator, no MMA of it in flight; ``MASKED``: keys
-    at or past ``n_valid`` get probability zero."""
+def _attend(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
+            ka: gl.shared_memory_descriptor, kp: gl.shared_memory_descriptor,
+            p_s: gl.shared_memory_descriptor, ones_s: gl.shared_memory_descriptor,
+            acc: gl.tensor, l_acc: gl.tensor, m_i: gl.tensor, qk_scale: gl.tensor,
+            n_valid: gl.tensor, MASKED: gl.constexpr, S_LAYOUT: gl.constexpr,
+            O_LAYOUT: gl.constexpr, L_LAYOUT: gl.constexpr, BLOCK_H: gl.constexpr,
+            BLOCK_N: gl.constexpr) -> gl.tensor:  # (acc, l_acc in flight, m_i)
+    """One tile: the score MMAs (waited for), the online softmax, and the value MMAs,
+    left in flight. ``acc`` / ``l_acc``: the output and the row sums of P (an MMA of P
+    against ones: no reduction across the warpgroups a tile), no MMA of them in
+    flight; ``MASKED``: keys at or past ``n_valid`` get probability zero."""
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
     s = warpgroup_mma(q_s, ka.permute((1, 0)), s, use_acc=False, is_async=True)
     s = warpgroup_mma(qp_s, kp.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_s, qp_s, ka, kp))[0]
-    s = s * qk_scale
     if MASKED:
         keys = gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
         s = gl.where((keys < n_valid)[None, :], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
+    # the maximum of the raw scores, scaled once (qk_scale > 0); P in one FMA an element
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     # -inf only before the first key (m_i) or for a tile without one (not launched)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - m_safe[:, None])
+    p = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
     alpha = gl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, L_LAYOUT))[:, None]
     # every warp's P in shared memory, visible to the MMA (the async proxy), before
     # either warpgroup reads all of it
     p_s.store(p.to(ka.dtype))
     fence_async_shared()
     gl.thread_barrier()
     acc = warpgroup_mma(p_s, ka, acc, is_async=True)
-    return acc, m_new, l_i
+    l_acc = warpgroup_mma(p_s, ones_s, l_acc, is_async=True)
+    return acc, l_acc, m_new
 
 
 @jit
@@ -117,6 +132,10 @@ def mla_decode_gluon_kernel(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, KV_LORA // 2, 16])
+    # the row sums of P: an MMA of P against a [BLOCK_N, ONES] tile of ones
+    ONES: gl.constexpr = 16
+    L_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, ONES // 2, 16])
     # 16-byte vectors along a row, for the query and the partial tile
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
@@ -137,9 +156,12 @@ def mla_decode_gluon_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(bars.index(i), count=1)
-    # the first tile's copy before the query's loads
-    _issue_tile(LAT_DESC, PE_DESC, BT, req, start, stride_bt, bars.index(0), ka_bufs.index(0),
-                kp_bufs.index(0), n_full > 0, KV_LORA, PAGE, BLOCK_N)
+    # the first tile's copy before the query's loads; the block-table entries one tile
+    # ahead of their copies, so no copy waits for one
+    blk = _block_of(BT, req, start, stride_bt, n_full > 0, PAGE)
+    _issue_tile(LAT_DESC, PE_DESC, blk, start, bars.index(0), ka_bufs.index(0),
+                kp_bufs.index(0), n_full > 0, KV_LORA, PAGE)
+    blk_next = _block_of(BT, req, start + BLOCK_N, stride_bt, n_full > 1, PAGE)
 
     offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LOAD))
     mask_h = (offs_h < num_heads)[:, None]
@@ -154,29 +176,34 @@ def mla_decode_gluon_kernel(
     p_s = gl.allocate_shared_memory(
         dtype, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N],
                                                                         dtype))
+    ones_s = gl.allocate_shared_memory(
+        dtype, [BLOCK_N, ONES], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ONES], dtype),
+        gl.full([BLOCK_N, ONES], 1.0, dtype, LOAD))
     fence_async_shared()
     gl.thread_barrier()
 
     qk_scale = sm_scale * LOG2E
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    # an accumulator with (formally) an MMA in flight, the type the loop carries
+    # accumulators with (formally) an MMA in flight, the type the loop carries
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, KV_LORA], gl.float32, O_LAYOUT))
+    l_acc = warpgroup_mma_init(gl.zeros([BLOCK_H, ONES], gl.float32, L_LAYOUT))
     for j in range(n_full):
         buf = j % 2
-        # the previous value MMA, in both warpgroups, is the last reader of the other
+        # the previous value MMAs, in both warpgroups, are the last readers of the other
         # buffer and of P: then the next tile's copy starts, a whole iteration ahead
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
         gl.thread_barrier()
         nxt = j + 1
-        _issue_tile(LAT_DESC, PE_DESC, BT, req, start + nxt * BLOCK_N, stride_bt,
-                    bars.index(nxt % 2), ka_bufs.index(nxt % 2), kp_bufs.index(nxt % 2),
-                    nxt < n_full, KV_LORA, PAGE, BLOCK_N)
+        _issue_tile(LAT_DESC, PE_DESC, blk_next, start + nxt * BLOCK_N, bars.index(nxt % 2),
+                    ka_bufs.index(nxt % 2), kp_bufs.index(nxt % 2), nxt < n_full, KV_LORA,
+                    PAGE)
+        blk_next = _block_of(BT, req, start + (j + 2) * BLOCK_N, stride_bt, j + 2 < n_full,
+                             PAGE)
         mbarrier.wait(bars.index(buf), (j // 2) & 1)
-        acc, m_i, l_i = _attend(q_s, qp_s, ka_bufs.index(buf), kp_bufs.index(buf), p_s, acc,
-                                m_i, l_i, qk_scale, BLOCK_N, False, S_LAYOUT, O_LAYOUT,
-                                BLOCK_H, BLOCK_N)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc, l_acc, m_i = _attend(q_s, qp_s, ka_bufs.index(buf), kp_bufs.index(buf), p_s,
+                                  ones_s, acc, l_acc, m_i, qk_scale, BLOCK_N, False, S_LAYOUT,
+                                  O_LAYOUT, L_LAYOUT, BLOCK_H, BLOCK_N)
+    acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
 
     tail = start + n_full * BLOCK_N
     if tail < end:
@@ -187,19 +214,22 @@ def mla_decode_gluon_kernel(
         kp = kp_bufs.index(n_full % 2)
         rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, LOAD))
         valid = (tail + rows < end)[:, None]
-        blk = gl.load(BT + req * stride_bt + tail // PAGE).to(gl.int64)
-        base = (C + blk * stride_cb + (tail % PAGE).to(gl.int64) * stride_cs
+        tail_blk = gl.load(BT + req * stride_bt + tail // PAGE).to(gl.int64)
+        base = (C + tail_blk * stride_cb + (tail % PAGE).to(gl.int64) * stride_cs
                 + rows[:, None] * stride_cs)
         ka.store(gl.load(base + offs_l[None, :], mask=valid, other=0.0))
         kp.store(gl.load(base + KV_LORA + offs_r[None, :], mask=valid, other=0.0))
         fence_async_shared()
         gl.thread_barrier()
-        acc, m_i, l_i = _attend(q_s, qp_s, ka, kp, p_s, acc, m_i, l_i, qk_scale, end - tail,
-                                True, S_LAYOUT, O_LAYOUT, BLOCK_H, BLOCK_N)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc, l_acc, m_i = _attend(q_s, qp_s, ka, kp, p_s, ones_s, acc, l_acc, m_i, qk_scale,
+                                  end - tail, True, S_LAYOUT, O_LAYOUT, L_LAYOUT, BLOCK_H,
+                                  BLOCK_N)
+        acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
     for i in gl.static_range(2):
         mbarrier.invalidate(bars.index(i))
 
+    # every column of l_acc holds the row's sum
+    l_i = gl.convert_layout(gl.max(l_acc, 1), gl.SliceLayout(1, S_LAYOUT))
     seen = l_i > 0.0
     norm = gl.convert_layout(1.0 / gl.where(seen, l_i, 1.0), gl.SliceLayout(1, O_LAYOUT))
     out = acc * norm[:, None]

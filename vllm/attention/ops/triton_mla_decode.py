@@ -385,7 +385,9 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
             "0.18) and made an illegal memory access on an H200 (2026-12-01, "
             "benchmarks/results/h200/2026-12-01-3c3e403); it runs under the "
             "interpreter only until that is found (docs/mla.md)")
-    use_gluon = cfg.gluon and not gluon_unsupported_reasons(q_lat.dtype, kv_cache, L, R, gpu)
+    # (the Gluon kernel scales the row maximum, not each score: a positive scale)
+    use_gluon = (cfg.gluon and scale > 0
+                 and not gluon_unsupported_reasons(q_lat.dtype, kv_cache, L, R, gpu))
     if use_gluon:  # its own tiles
         cfg = dataclasses.replace(cfg, block_h=GLUON_TILE, block_n=GLUON_TILE, num_warps=8,
                                   v_split=1, heads_as_n=False)
