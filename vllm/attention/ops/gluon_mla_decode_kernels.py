@@ -66,30 +66,20 @@ def _issue_tile(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor,
 
 
 @jit
-def _issue_scores(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
-                  ka: gl.shared_memory_descriptor, kp: gl.shared_memory_descriptor,
-                  S_LAYOUT: gl.constexpr, BLOCK_H: gl.constexpr,
-                  BLOCK_N: gl.constexpr) -> gl.tensor:  # S in flight (two MMA groups)
-    """Start the score MMAs of a tile, ``S = Q @ K^T`` over the latent and the rope
-    columns."""
+def _attend(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
+            ka: gl.shared_memory_descriptor, kp: gl.shared_memory_descriptor,
+            p_s: gl.shared_memory_descriptor, ones_s: gl.shared_memory_descriptor,
+            acc: gl.tensor, l_acc: gl.tensor, m_i: gl.tensor, qk_scale: gl.tensor,
+            n_valid: gl.tensor, MASKED: gl.constexpr, S_LAYOUT: gl.constexpr,
+            O_LAYOUT: gl.constexpr, L_LAYOUT: gl.constexpr, BLOCK_H: gl.constexpr,
+            BLOCK_N: gl.constexpr) -> gl.tensor:  # (acc, l_acc in flight, m_i)
+    """One tile: the score MMAs (waited for), the online softmax, and the value MMAs,
+    left in flight. ``acc`` / ``l_acc``: the output and the row sums of P (an MMA of P
+    against ones: no reduction across the warpgroups a tile), no MMA of them in
+    flight; ``MASKED``: keys at or past ``n_valid`` get probability zero."""
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
     s = warpgroup_mma(q_s, ka.permute((1, 0)), s, use_acc=False, is_async=True)
-    return warpgroup_mma(qp_s, kp.permute((1, 0)), s, is_async=True)
-
-
-@jit
-def _attend(s: gl.tensor, q_s: gl.shared_memory_descriptor,
-            qp_s: gl.shared_memory_descriptor, ka: gl.shared_memory_descriptor,
-            kp: gl.shared_memory_descriptor, p_s: gl.shared_memory_descriptor,
-            ones_s: gl.shared_memory_descriptor, acc: gl.tensor, l_acc: gl.tensor,
-            m_i: gl.tensor, qk_scale: gl.tensor, n_valid: gl.tensor, MASKED: gl.constexpr,
-            S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, L_LAYOUT: gl.constexpr,
-            BLOCK_N: gl.constexpr) -> gl.tensor:  # (acc, l_acc in flight, m_i)
-    """The rest of a tile once its score MMAs ``s`` (:func:`_issue_scores`) are the
-    only ones in flight: their wait, the online softmax, and the value MMAs, left in
-    flight. ``acc`` / ``l_acc``: the output and the row sums of P (an MMA of P against
-    ones: no reduction across the warpgroups a tile); ``MASKED``: keys at or past
-    ``n_valid`` get probability zero."""
+    s = warpgroup_mma(qp_s, kp.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_s, qp_s, ka, kp))[0]
     if MASKED:
         keys = gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
@@ -199,15 +189,9 @@ def mla_decode_gluon_kernel(
     l_acc = warpgroup_mma_init(gl.zeros([BLOCK_H, ONES], gl.float32, L_LAYOUT))
     for j in range(n_full):
         buf = j % 2
-        ka = ka_bufs.index(buf)
-        kp = kp_bufs.index(buf)
-        # this tile's scores queue behind the previous value MMAs (the tensor cores do
-        # not wait for the issue below); those MMAs, in both warpgroups, are the last
-        # readers of the other buffer and of P: then the next tile's copy starts, a whole
-        # iteration ahead
-        mbarrier.wait(bars.index(buf), (j // 2) & 1)
-        s = _issue_scores(q_s, qp_s, ka, kp, S_LAYOUT, BLOCK_H, BLOCK_N)
-        acc, l_acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, l_acc))
+        # the previous value MMAs, in both warpgroups, are the last readers of the other
+        # buffer and of P: then the next tile's copy starts, a whole iteration ahead
+        acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
         gl.thread_barrier()
         nxt = j + 1
         _issue_tile(LAT_DESC, PE_DESC, blk_next, start + nxt * BLOCK_N, bars.index(nxt % 2),
@@ -215,9 +199,10 @@ def mla_decode_gluon_kernel(
                     PAGE)
         blk_next = _block_of(BT, req, start + (j + 2) * BLOCK_N, stride_bt, j + 2 < n_full,
                              PAGE)
-        acc, l_acc, m_i = _attend(s, q_s, qp_s, ka, kp, p_s, ones_s, acc, l_acc, m_i,
-                                  qk_scale, BLOCK_N, False, S_LAYOUT, O_LAYOUT, L_LAYOUT,
-                                  BLOCK_N)
+        mbarrier.wait(bars.index(buf), (j // 2) & 1)
+        acc, l_acc, m_i = _attend(q_s, qp_s, ka_bufs.index(buf), kp_bufs.index(buf), p_s,
+                                  ones_s, acc, l_acc, m_i, qk_scale, BLOCK_N, False, S_LAYOUT,
+                                  O_LAYOUT, L_LAYOUT, BLOCK_H, BLOCK_N)
     acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
 
     tail = start + n_full * BLOCK_N
@@ -236,9 +221,8 @@ def mla_decode_gluon_kernel(
         kp.store(gl.load(base + KV_LORA + offs_r[None, :], mask=valid, other=0.0))
         fence_async_shared()
         gl.thread_barrier()
-        s = _issue_scores(q_s, qp_s, ka, kp, S_LAYOUT, BLOCK_H, BLOCK_N)
-        acc, l_acc, m_i = _attend(s, q_s, qp_s, ka, kp, p_s, ones_s, acc, l_acc, m_i,
-                                  qk_scale, end - tail, True, S_LAYOUT, O_LAYOUT, L_LAYOUT,
+        acc, l_acc, m_i = _attend(q_s, qp_s, ka, kp, p_s, ones_s, acc, l_acc, m_i, qk_scale,
+                                  end - tail, True, S_LAYOUT, O_LAYOUT, L_LAYOUT, BLOCK_H,
                                   BLOCK_N)
         acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
     for i in gl.static_range(2):
