@@ -172,7 +172,7 @@ class Step:
         q = self.q
         gpu = gpu_of(q.device)
         fmt = self.layer.impl.latent_format(self.layer, torch.bfloat16)  # type: ignore[attr-defined]
-        use = (default_config(q.dtype, gpu).gluon and fmt.cache_dtype == "auto"
+        use = (default_config(q.dtype, gpu).gluon and fmt.cache_dtype != "fp8_ds_mla"
                and not gluon_unsupported_reasons(q.dtype, self.cache, L, R, gpu))
         return "gluon" if use else "triton"
 

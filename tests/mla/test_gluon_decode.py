@@ -1,8 +1,9 @@
-"""The Gluon MLA decode (NVIDIA sm_90, 16-bit caches): where it is taken and why not
-elsewhere (CPU), and its outputs against float64 on the GPU (skipped without an sm_90
-GPU): float16 and bfloat16, head counts that fill no tile and several tiles, tails of
-every length, one split and many, NaN in every slot no request owns, a cache that
-stays as it was, and a query and output with strides."""
+"""The Gluon MLA decode (NVIDIA sm_90; 16-bit models, caches in the model's dtype or
+scaled fp8): where it is taken and why not elsewhere (CPU), and its outputs against
+float64 on the GPU (skipped without an sm_90 GPU): float16 and bfloat16 models, bf16,
+E4M3 and E5M2 caches, head counts that fill no tile and several tiles, tails of every
+length, one split and many, NaN in every slot no request owns, a cache that stays as it
+was, and a query and output with strides."""
 
 from __future__ import annotations
 
@@ -37,13 +38,16 @@ def test_gluon_is_the_sm90_default_for_16_bit_caches_only(monkeypatch: pytest.Mo
     assert not tmd.default_config(torch.bfloat16, None).gluon
     assert _reasons() == []
     assert _reasons(torch.float16, torch.float16) == []
+    assert _reasons(torch.bfloat16, torch.float8_e4m3fn) == []
+    assert _reasons(torch.float16, torch.float8_e5m2) == []
 
 
 @pytest.mark.parametrize("case, words", [
     (dict(gpu=GPU("nvidia", (10, 0))), "sm_90"),
     (dict(gpu=GPU("amd", (9, 4))), "sm_90"),
     (dict(gpu=None), "sm_90"),
-    (dict(cache_dtype=torch.float8_e4m3fn), "float8_e4m3fn"),
+    (dict(cache_dtype=torch.uint8), "cache torch.uint8"),
+    (dict(q_dtype=torch.float32, cache_dtype=torch.float8_e4m3fn), "query torch.float32"),
     (dict(q_dtype=torch.float32, cache_dtype=torch.float32), "float32"),
     (dict(q_dtype=torch.float16), "query torch.float16 and cache torch.bfloat16"),
     (dict(page=16), "page size 16"),
@@ -71,21 +75,26 @@ def test_gluon_is_not_taken_under_the_interpreter(monkeypatch: pytest.MonkeyPatc
 # -- on the GPU ------------------------------------------------------------------------
 
 SEQ_LENS = [4096, 1, 63, 64, 65, 127, 3001, 200]
+K_SCALE = 0.37
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _case(heads: int, dtype: torch.dtype, seed: int) -> dict[str, object]:
+def _case(heads: int, dtype: torch.dtype, cache_dtype: str, seed: int) -> dict[str, object]:
     g = torch.Generator().manual_seed(seed)
     bt, nb = shuffled_block_table(SEQ_LENS, PAGE, g, spare=2)
-    cache = torch.empty(nb, PAGE, L + R, dtype=dtype, device="cuda")
-    cache.view(torch.uint8).fill_(0xFF)  # NaN in every slot no request owns
+    storage = FP8.get(cache_dtype, dtype)
+    cache = torch.empty(nb, PAGE, L + R, dtype=storage, device="cuda")
+    cache.view(torch.uint8).fill_(0xFF)  # NaN (bf16, fp16, E4M3, E5M2) in every slot no request owns
     for r, n in enumerate(SEQ_LENS):
         pos = torch.arange(n)
-        rows = torch.randn(n, L + R, generator=g).to(dtype)
-        cache[bt[r, pos // PAGE].long().cuda(), (pos % PAGE).cuda()] = rows.cuda()
+        rows = torch.randn(n, L + R, generator=g)
+        if cache_dtype in FP8:
+            rows = rows / K_SCALE
+        cache[bt[r, pos // PAGE].long().cuda(), (pos % PAGE).cuda()] = rows.to(storage).cuda()
     tokens = [(r, n - 1) for r, n in enumerate(SEQ_LENS)]
     # the query as the layer has it: a strided view of a wider buffer
     wide = torch.randn(len(tokens), heads, L + R + 8, generator=g).to(dtype).cuda()
@@ -98,22 +107,28 @@ def _case(heads: int, dtype: torch.dtype, seed: int) -> dict[str, object]:
 @pytest.mark.skipif(not _sm90(), reason="the Gluon kernel runs on NVIDIA sm_90 only")
 @pytest.mark.parametrize("splits", [None, 1, 3, 64], ids=lambda s: f"splits{s}")
 @pytest.mark.parametrize("heads", [16, 20, 128, 130])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gluon_against_float64(dtype: torch.dtype, heads: int, splits: int | None) -> None:
+@pytest.mark.parametrize("dtype, cache_dtype", [
+    (torch.bfloat16, "auto"), (torch.float16, "auto"), (torch.bfloat16, "fp8"),
+    (torch.float16, "fp8_e5m2")], ids=lambda x: str(x).replace("torch.", ""))
+def test_gluon_against_float64(dtype: torch.dtype, cache_dtype: str, heads: int,
+                               splits: int | None) -> None:
     from vllm.attention.ops import triton_mla_decode as tmd
 
-    x = _case(heads, dtype, seed=heads + (splits or 0))
+    x = _case(heads, dtype, cache_dtype, seed=heads + (splits or 0))
     cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
     q: torch.Tensor = x["q"]  # type: ignore[assignment]
     assert tmd.gluon_unsupported_reasons(dtype, cache, L, R, tmd.gpu_of(cache.device)) == []
     before = cache.view(torch.uint8).clone()
-    fmt = LatentFormat("auto", L, R, torch.ones(1, device="cuda"), dtype)
+    fp8 = cache_dtype in FP8
+    k_scale = K_SCALE if fp8 else 1.0
+    fmt = LatentFormat(cache_dtype, L, R, torch.tensor([k_scale], device="cuda"), dtype)
     scale = 192 ** -0.5
     # the latent and rope parts as separate strided views, as the layer passes them
     out = tmd.mla_decode_mma(q[..., :L], cache, x["bt"], x["req"], x["pos"], fmt,  # type: ignore[arg-type]
                              scale=scale, max_seq_len=max(SEQ_LENS), num_splits=splits,
                              out_dtype=dtype, q_pe=q[..., L:])
-    ref = latent_decode_reference(q, cache, x["bt"], x["tokens"], L, scale, None)  # type: ignore[arg-type]
+    ref = latent_decode_reference(q, cache, x["bt"], x["tokens"], L, scale,  # type: ignore[arg-type]
+                                  K_SCALE if fp8 else None)
     assert torch.equal(cache.view(torch.uint8), before)
     assert torch.isfinite(out).all()
     tol = get_backend("TRITON_MLA").tolerances[dtype]

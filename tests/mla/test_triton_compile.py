@@ -2,7 +2,8 @@
 interpreter cannot catch what only the compiler rejects (annotations it cannot
 resolve, dtype mismatches in ``tl.dot``, loop-carried type changes). The per-row
 kernel compiles for sm_90; the tensor-core decode's default launches for sm_80,
-sm_90 (128 and 16 heads) and sm_100, each checked for what only shows in the binary: a kernel lowered
+sm_90 (the Gluon kernel, 128 and 16 heads, and the Triton one it replaces there) and
+sm_100, each checked for what only shows in the binary: a kernel lowered
 to a bare ``trap`` (Blackwell's tensor memory overflowed), shared memory past the
 device's limit, and register spills on sm_90.
 
@@ -71,7 +72,7 @@ def test_kernels_compile_for_sm90() -> None:
 
 
 DECODE_CHILD = r'''
-import os, re, subprocess, sys, tempfile
+import dataclasses, os, re, subprocess, sys, tempfile
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -119,18 +120,23 @@ for cap in (80, 90, 100):
                                 ("auto", torch.bfloat16, 16), ("fp8", torch.float8_e4m3fn, 16)):
         if heads == 16 and cap != 90:
             continue
-        for splits in ((1, 4) if cap == 90 and cdt == "auto" and heads == 128 else (4,)):
+        # on sm_90 the default is the Gluon kernel; "triton" forces the Triton one there
+        engines = ("default", "triton") if cap == 90 and heads == 128 else ("default",)
+        for splits, engine in [(s, e) for s in ((1, 4) if cap == 90 and cdt == "auto"
+                                                and heads == 128 else (4,)) for e in engines]:
             calls.clear()
             cache = torch.zeros(8, 64, 576, dtype=storage)
             fmt = LatentFormat(cdt, 512, 64, torch.ones(1), torch.bfloat16)
             q = torch.zeros(4, heads, 576, dtype=torch.bfloat16)
             bt = torch.zeros(4, 8, dtype=torch.int32)
             t = torch.zeros(4, dtype=torch.int32)
+            cfg = dataclasses.replace(tmd.default_config(torch.bfloat16, GPU("nvidia", (cap // 10, cap % 10))),
+                                      gluon=False) if engine == "triton" else None
             tmd.mla_decode_mma(q, cache, bt, t, t, fmt, scale=0.1, max_seq_len=4096,
-                               num_splits=splits, out_dtype=torch.bfloat16)
+                               num_splits=splits, out_dtype=torch.bfloat16, config=cfg)
             for fn, a, k in calls:
                 c = compile_like_jit(fn, a, dict(k), GPUTarget("cuda", cap, 32))
-                name = f"sm{cap} {cdt} N={heads} splits={splits} {fn.__name__}"
+                name = f"sm{cap} {cdt} N={heads} splits={splits} {engine} {fn.__name__}"
                 bad = []
                 ptx = c.asm["ptx"]
                 if re.search(r"^\s*trap;", ptx, re.M) and ptx.count(chr(10)) < 400:
@@ -154,4 +160,4 @@ def test_decode_kernel_compiles_for_sm80_sm90_sm100() -> None:
     done = subprocess.run([sys.executable, "-c", DECODE_CHILD], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    assert done.stdout.count("compiled ") == 17, done.stdout
+    assert done.stdout.count("compiled ") == 22, done.stdout

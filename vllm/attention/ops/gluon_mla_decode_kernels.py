@@ -76,7 +76,8 @@ def _attend(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
     """One tile: the score MMAs (waited for), the online softmax, and the value MMAs,
     left in flight. ``acc`` / ``l_acc``: the output and the row sums of P (an MMA of P
     against ones: no reduction across the warpgroups a tile), no MMA of them in
-    flight; ``MASKED``: keys at or past ``n_valid`` get probability zero."""
+    flight; ``qk_scale``: ``[BLOCK_H]``, what turns a head's scores into base-2
+    logits; ``MASKED``: keys at or past ``n_valid`` get probability zero."""
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
     s = warpgroup_mma(q_s, ka.permute((1, 0)), s, use_acc=False, is_async=True)
     s = warpgroup_mma(qp_s, kp.permute((1, 0)), s, is_async=True)
@@ -84,11 +85,12 @@ def _attend(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
     if MASKED:
         keys = gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
         s = gl.where((keys < n_valid)[None, :], s, float("-inf"))
-    # the maximum of the raw scores, scaled once (qk_scale > 0); P in one FMA an element
+    # the maximum of the raw scores, scaled once (qk_scale > 0, a head's); P in one FMA
+    # an element
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     # -inf only before the first key (m_i) or for a tile without one (not launched)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
+    p = gl.exp2(gl.fma(s, qk_scale[:, None], -m_safe[:, None]))
     alpha = gl.exp2(m_i - m_safe)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
     l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, L_LAYOUT))[:, None]
@@ -103,31 +105,98 @@ def _attend(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
 
 
 @jit
+def _widen(raw: gl.tensor, FP8: gl.constexpr) -> gl.tensor:
+    """fp8 bytes (``FP8`` 1: E4M3, 2: E5M2) as float16, exactly (the hardware
+    conversion, two values an instruction; NaN stays NaN)."""
+    if FP8 == 1:
+        return raw.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    else:
+        return raw.to(gl.float8e5, bitcast=True).to(gl.float16)
+
+
+@jit
+def _widen_tile(ra: gl.shared_memory_descriptor, rp: gl.shared_memory_descriptor,
+                wa: gl.shared_memory_descriptor, wp: gl.shared_memory_descriptor,
+                FP8: gl.constexpr, KV_LORA: gl.constexpr, CH: gl.constexpr,
+                LOAD8: gl.constexpr) -> None:
+    """A tile of fp8 bytes (``ra`` latent, ``rp`` rope) into the float16 operands of
+    the MMAs (``wa``, ``wp``), ``CH`` columns at a time, visible to the MMAs after."""
+    for c in gl.static_range(KV_LORA // CH):
+        wa.slice(c * CH, CH, dim=1).store(_widen(ra.slice(c * CH, CH, dim=1).load(LOAD8), FP8))
+    wp.store(_widen(rp.load(LOAD8), FP8))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@jit
+def _load_tail(C: gl.tensor, BT: gl.tensor, req: gl.tensor, tail: gl.tensor, end: gl.tensor,
+               stride_bt: gl.tensor, stride_cb: gl.tensor, stride_cs: gl.tensor,
+               wa: gl.shared_memory_descriptor, wp: gl.shared_memory_descriptor,
+               FP8: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
+               PAGE: gl.constexpr, BLOCK_N: gl.constexpr, CH: gl.constexpr,
+               LOAD: gl.constexpr) -> None:
+    """Rows ``tail .. tail + BLOCK_N`` of the request (one page's) into the MMA operands
+    ``wa`` / ``wp`` (widened from fp8 when ``FP8``), ``CH`` columns at a time; rows at or
+    past ``end`` as zeros (their bytes may be anything, NaN too, and a zero probability
+    times NaN is NaN). Visible to the MMAs after."""
+    rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, LOAD))
+    cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
+    offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
+    valid = (tail + rows < end)[:, None]
+    blk = gl.load(BT + req * stride_bt + tail // PAGE).to(gl.int64)
+    base = (C + blk * stride_cb + (tail % PAGE).to(gl.int64) * stride_cs
+            + rows[:, None] * stride_cs)
+    for c in gl.static_range(KV_LORA // CH):
+        x = gl.load(base + c * CH + cols[None, :], mask=valid, other=0)
+        if FP8 != 0:
+            x = _widen(x, FP8)
+        wa.slice(c * CH, CH, dim=1).store(x)
+    x = gl.load(base + KV_LORA + offs_r[None, :], mask=valid, other=0)
+    if FP8 != 0:
+        x = _widen(x, FP8)
+    wp.store(x)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@jit
 def mla_decode_gluon_kernel(
-    Q: gl.tensor, Q_PE: gl.tensor, LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor, C: gl.tensor, BT: gl.tensor, TOK_REQ: gl.tensor,
-    TOK_POS: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor, LSE_PART: gl.tensor,
+    Q: gl.tensor, Q_PE: gl.tensor, LAT_DESC: tma.tensor_descriptor,
+    PE_DESC: tma.tensor_descriptor, C: gl.tensor, BT: gl.tensor, TOK_REQ: gl.tensor,
+    TOK_POS: gl.tensor, K_SCALE: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor,
+    LSE_PART: gl.tensor,
     stride_qt: gl.tensor, stride_qh: gl.tensor, stride_et: gl.tensor, stride_eh: gl.tensor,
-    stride_cb: gl.tensor, stride_cs: gl.tensor, stride_bt: gl.tensor, stride_xt: gl.tensor, stride_xh: gl.tensor,
-    stride_pt: gl.tensor, stride_ph: gl.tensor, stride_ps: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
+    stride_cb: gl.tensor, stride_cs: gl.tensor, stride_bt: gl.tensor, stride_xt: gl.tensor,
+    stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor, stride_ps: gl.tensor,
+    stride_lt: gl.tensor, stride_lh: gl.tensor,
     num_heads: gl.tensor, sm_scale: gl.tensor, num_splits: gl.tensor,
-    KV_LORA: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr, SINGLE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    KV_LORA: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr, FP8: gl.constexpr,
+    SINGLE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     num_warps: gl.constexpr,
 ) -> None:
     """One (head tile, split, token) program; grid ``(head tiles, splits, tokens)``.
 
-    ``Q``: ``[T, N, L]`` and ``Q_PE``: ``[T, N, R]`` in the cache's 16-bit dtype, unit
-    stride on the last axis; ``LAT_DESC`` / ``PE_DESC``: TMA descriptors over the cache
-    seen as ``[nb * PAGE, L + R]`` with blocks ``[BLOCK_N, L]`` and ``[BLOCK_N, R]``;
-    ``C``: the cache ``(nb, PAGE, L + R)``; ``BT``: ``[reqs, max_blocks]`` int32;
-    ``TOK_REQ`` / ``TOK_POS``: ``[T]`` int32 (token ``t`` sees positions ``0 ..
-    TOK_POS[t]``). ``SINGLE``: one split, the normalised output to ``OUT`` ``[T, N, L]``;
-    else float32 ``O_PART`` ``[T, N, S, L]`` and ``LSE_PART`` ``[T, N, S]`` (base 2,
-    ``-inf`` for an empty split) for the combine kernel. ``PAGE`` is a multiple of
-    ``BLOCK_N``: a tile is one page's rows.
+    ``Q``: ``[T, N, L]`` and ``Q_PE``: ``[T, N, R]`` in the model's 16-bit dtype, unit
+    stride on the last axis; ``C``: the cache ``(nb, PAGE, L + R)``, in the model's dtype
+    or (``FP8`` 1: E4M3, 2: E5M2) fp8 read as bytes, each row ``stored * K_SCALE``
+    (float32 ``[1]``); ``LAT_DESC`` / ``PE_DESC``: TMA descriptors over it seen as
+    ``[nb * PAGE, L + R]`` with blocks ``[BLOCK_N, L]`` and ``[BLOCK_N, R]``; ``BT``:
+    ``[reqs, max_blocks]`` int32; ``TOK_REQ`` / ``TOK_POS``: ``[T]`` int32 (token ``t``
+    sees positions ``0 .. TOK_POS[t]``). ``SINGLE``: one split, the normalised output to
+    ``OUT`` ``[T, N, L]``; else float32 ``O_PART`` ``[T, N, S, L]`` and ``LSE_PART``
+    ``[T, N, S]`` (base 2, ``-inf`` for an empty split) for the combine kernel. ``PAGE``
+    is a multiple of ``BLOCK_N``: a tile is one page's rows.
+
+    fp8: each tile's bytes are widened exactly to float16 in shared memory, and the dots
+    run in float16 on the stored values: the query is scaled into float16 a head at a
+    time by the power of two that puts its largest magnitude in ``[2**14, 2**15)``
+    (exact: only values below ``2**-28`` of the row's largest lose bits), the power and
+    ``K_SCALE`` multiplying the scores, ``K_SCALE`` the output.
     """
     gl.static_assert(num_warps == 8, "two warpgroups")
     gl.static_assert(PAGE % BLOCK_N == 0, "a tile inside one page")
-    dtype: gl.constexpr = Q.dtype.element_ty
+    RAW: gl.constexpr = C.dtype.element_ty
+    DOT: gl.constexpr = gl.float16 if FP8 != 0 else RAW
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
@@ -136,8 +205,15 @@ def mla_decode_gluon_kernel(
     ONES: gl.constexpr = 16
     L_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, ONES // 2, 16])
-    # 16-byte vectors along a row, for the query and the partial tile
+    # 16-byte vectors along a row: 16-bit values (the query, a partial tile), fp8 bytes
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    LOAD8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+    # columns a step when tiles are widened or loaded through registers
+    CH: gl.constexpr = 128 if KV_LORA >= 128 else KV_LORA
+    LAT_DOT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, KV_LORA], DOT)
+    PE_DOT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], DOT)
+    Q_LAT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, KV_LORA], DOT)
+    Q_PE_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], DOT)
 
     hb = gl.program_id(0)
     sp = gl.program_id(1)
@@ -150,9 +226,10 @@ def mla_decode_gluon_kernel(
     end = gl.maximum(gl.minimum(start + per_split, n_keys), start)
     n_full = (end - start) // BLOCK_N
 
-    # the buffers: the query (kept), two key tiles, P
-    ka_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA], LAT_DESC.layout)
-    kp_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], PE_DESC.layout)
+    # the buffers: two key tiles as stored (TMA), with fp8 one widened tile, the query
+    # (kept), P, ones
+    ka_bufs = gl.allocate_shared_memory(RAW, [2, BLOCK_N, KV_LORA], LAT_DESC.layout)
+    kp_bufs = gl.allocate_shared_memory(RAW, [2, BLOCK_N, ROPE], PE_DESC.layout)
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(bars.index(i), count=1)
@@ -162,6 +239,13 @@ def mla_decode_gluon_kernel(
     _issue_tile(LAT_DESC, PE_DESC, blk, start, bars.index(0), ka_bufs.index(0),
                 kp_bufs.index(0), n_full > 0, KV_LORA, PAGE)
     blk_next = _block_of(BT, req, start + BLOCK_N, stride_bt, n_full > 1, PAGE)
+    if FP8 != 0:
+        wa = gl.allocate_shared_memory(DOT, [BLOCK_N, KV_LORA], LAT_DOT)
+        wp = gl.allocate_shared_memory(DOT, [BLOCK_N, ROPE], PE_DOT)
+    else:
+        # the tail's buffer: the one no copy and no MMA uses any more by then
+        wa = ka_bufs.index(n_full % 2)
+        wp = kp_bufs.index(n_full % 2)
 
     offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LOAD))
     mask_h = (offs_h < num_heads)[:, None]
@@ -169,20 +253,36 @@ def mla_decode_gluon_kernel(
     offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
     q = gl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_l[None, :],
                 mask=mask_h, other=0.0)
-    q_s = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA], LAT_DESC.layout, q)
     qp = gl.load(Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :],
                  mask=mask_h, other=0.0)
-    qp_s = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE], PE_DESC.layout, qp)
+    qk = sm_scale * LOG2E
+    if FP8 != 0:
+        qk = qk * gl.load(K_SCALE)
+        qf = q.to(gl.float32)
+        qpf = qp.to(gl.float32)
+        amax = gl.maximum(gl.max(gl.abs(qf), 1), gl.max(gl.abs(qpf), 1))
+        # floor(log2(amax)) from the exponent bits; clamped so that both powers of two
+        # are normal float32 numbers (a zero row, padding, gets 2**100 and stays zero)
+        e = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 14
+        e = gl.minimum(gl.maximum(e, -100), 100)
+        down = ((127 - e) << 23).to(gl.float32, bitcast=True)[:, None]
+        up = ((127 + e) << 23).to(gl.float32, bitcast=True)
+        q = (qf * down).to(DOT)
+        qp = (qpf * down).to(DOT)
+        qk_scale = gl.convert_layout(qk * up, gl.SliceLayout(1, S_LAYOUT))
+    else:
+        qk_scale = gl.full([BLOCK_H], qk, gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    q_s = gl.allocate_shared_memory(DOT, [BLOCK_H, KV_LORA], Q_LAT, q)
+    qp_s = gl.allocate_shared_memory(DOT, [BLOCK_H, ROPE], Q_PE_LAYOUT, qp)
     p_s = gl.allocate_shared_memory(
-        dtype, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N],
-                                                                        dtype))
+        DOT, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N],
+                                                                      DOT))
     ones_s = gl.allocate_shared_memory(
-        dtype, [BLOCK_N, ONES], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ONES], dtype),
-        gl.full([BLOCK_N, ONES], 1.0, dtype, LOAD))
+        DOT, [BLOCK_N, ONES], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ONES], DOT),
+        gl.full([BLOCK_N, ONES], 1.0, DOT, LOAD))
     fence_async_shared()
     gl.thread_barrier()
 
-    qk_scale = sm_scale * LOG2E
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
     # accumulators with (formally) an MMA in flight, the type the loop carries
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, KV_LORA], gl.float32, O_LAYOUT))
@@ -190,7 +290,8 @@ def mla_decode_gluon_kernel(
     for j in range(n_full):
         buf = j % 2
         # the previous value MMAs, in both warpgroups, are the last readers of the other
-        # buffer and of P: then the next tile's copy starts, a whole iteration ahead
+        # buffer (and of the widened tile) and of P: then the next tile's copy starts,
+        # a whole iteration ahead
         acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
         gl.thread_barrier()
         nxt = j + 1
@@ -200,28 +301,25 @@ def mla_decode_gluon_kernel(
         blk_next = _block_of(BT, req, start + (j + 2) * BLOCK_N, stride_bt, j + 2 < n_full,
                              PAGE)
         mbarrier.wait(bars.index(buf), (j // 2) & 1)
-        acc, l_acc, m_i = _attend(q_s, qp_s, ka_bufs.index(buf), kp_bufs.index(buf), p_s,
-                                  ones_s, acc, l_acc, m_i, qk_scale, BLOCK_N, False, S_LAYOUT,
-                                  O_LAYOUT, L_LAYOUT, BLOCK_H, BLOCK_N)
+        if FP8 != 0:
+            _widen_tile(ka_bufs.index(buf), kp_bufs.index(buf), wa, wp, FP8, KV_LORA, CH,
+                        LOAD8)
+            ka = wa
+            kp = wp
+        else:
+            ka = ka_bufs.index(buf)
+            kp = kp_bufs.index(buf)
+        acc, l_acc, m_i = _attend(q_s, qp_s, ka, kp, p_s, ones_s, acc, l_acc, m_i,
+                                  qk_scale, BLOCK_N, False, S_LAYOUT, O_LAYOUT, L_LAYOUT,
+                                  BLOCK_H, BLOCK_N)
     acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
 
     tail = start + n_full * BLOCK_N
     if tail < end:
-        # the rows past the last position load as zeros, into the buffer no copy and no
-        # MMA uses any more
         gl.thread_barrier()
-        ka = ka_bufs.index(n_full % 2)
-        kp = kp_bufs.index(n_full % 2)
-        rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, LOAD))
-        valid = (tail + rows < end)[:, None]
-        tail_blk = gl.load(BT + req * stride_bt + tail // PAGE).to(gl.int64)
-        base = (C + tail_blk * stride_cb + (tail % PAGE).to(gl.int64) * stride_cs
-                + rows[:, None] * stride_cs)
-        ka.store(gl.load(base + offs_l[None, :], mask=valid, other=0.0))
-        kp.store(gl.load(base + KV_LORA + offs_r[None, :], mask=valid, other=0.0))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc, l_acc, m_i = _attend(q_s, qp_s, ka, kp, p_s, ones_s, acc, l_acc, m_i, qk_scale,
+        _load_tail(C, BT, req, tail, end, stride_bt, stride_cb, stride_cs, wa, wp, FP8,
+                   KV_LORA, ROPE, PAGE, BLOCK_N, CH, LOAD8 if FP8 != 0 else LOAD)
+        acc, l_acc, m_i = _attend(q_s, qp_s, wa, wp, p_s, ones_s, acc, l_acc, m_i, qk_scale,
                                   end - tail, True, S_LAYOUT, O_LAYOUT, L_LAYOUT, BLOCK_H,
                                   BLOCK_N)
         acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
@@ -231,7 +329,10 @@ def mla_decode_gluon_kernel(
     # every column of l_acc holds the row's sum
     l_i = gl.convert_layout(gl.max(l_acc, 1), gl.SliceLayout(1, S_LAYOUT))
     seen = l_i > 0.0
-    norm = gl.convert_layout(1.0 / gl.where(seen, l_i, 1.0), gl.SliceLayout(1, O_LAYOUT))
+    k_scale = 1.0
+    if FP8 != 0:
+        k_scale = gl.load(K_SCALE)
+    norm = gl.convert_layout(k_scale / gl.where(seen, l_i, 1.0), gl.SliceLayout(1, O_LAYOUT))
     out = acc * norm[:, None]
     oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, O_LAYOUT))
     oc = gl.arange(0, KV_LORA, gl.SliceLayout(0, O_LAYOUT))

@@ -54,7 +54,7 @@ class MLADecodeConfig:
     warpgroups would otherwise compute every score); ``fp8_fp16_dot``: with an fp8
     cache and a bfloat16 model, the dots run in float16 (one instruction widens two
     E4M3 values to float16, three to bfloat16; the query is scaled into float16's range
-    exactly, a power of two a head); ``gluon``: on NVIDIA sm_90 with a 16-bit cache,
+    exactly, a power of two a head); ``gluon``: on NVIDIA sm_90 with a 16-bit model,
     the Gluon kernel of :mod:`vllm.attention.ops.gluon_mla_decode_kernels` (its own
     tiles: 64 heads, 64 rows, 8 warps, two key buffers), where
     :func:`gluon_unsupported_reasons` is empty; elsewhere the fields above.
@@ -128,8 +128,8 @@ def default_config(q_dtype: torch.dtype, gpu: GPU | None, *, num_heads: int = 12
         # 128 registers a thread; the warpgroups split the keys of the scores (each
         # computes 32 of a tile's 64) instead of both computing all of them, and the
         # latent is one [64, 512] operand (one wait, m64n256 value MMAs)
-        # 16-bit caches take the Gluon kernel (the same tiles, its own schedule:
-        # docs/mla.md), fp8 ones these
+        # the Gluon kernel (the same tiles, its own schedule: docs/mla.md) where it
+        # applies, else these
         return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2,
                                latent_chunks=1, split_scores=True, gluon=True)
     if capability[0] >= 10:
@@ -274,16 +274,18 @@ def gluon_unsupported_reasons(q_dtype: torch.dtype, kv_cache: torch.Tensor, kv_l
     if _nvidia(gpu) != (9, 0):
         reasons.append(f"device {gpu}: the Gluon kernel is written for NVIDIA sm_90 "
                        "(warpgroup MMAs, TMA) and measured there")
-    if q_dtype not in _HALF or kv_cache.dtype != q_dtype:
+    if q_dtype not in _HALF or kv_cache.dtype not in (q_dtype, *_FP8_CODES):
         reasons.append(f"query {q_dtype} and cache {kv_cache.dtype}: the Gluon kernel takes "
-                       "a float16 or bfloat16 cache in the query's dtype")
+                       "a float16 or bfloat16 query and a cache in its dtype or in "
+                       "float8_e4m3fn / float8_e5m2")
     L, R = kv_lora_rank, rope_dim
     if L & (L - 1) or not 64 <= L <= 512:
         reasons.append(f"kv_lora_rank={L}: the Gluon kernel takes a power of two in 64..512")
     if R & (R - 1) or not 8 <= R <= 256:
         reasons.append(f"rope_dim={R}: the Gluon kernel takes a power of two in 8..256")
-    # the query and two key tiles of L + R 16-bit values a row, and P
-    smem = 3 * GLUON_TILE * (L + R) * 2 + GLUON_TILE * GLUON_TILE * 2 + 1024
+    # the query and two key tiles of L + R 16-bit values a row (fp8: two tiles of bytes
+    # and one widened), P, ones
+    smem = 3 * GLUON_TILE * (L + R) * 2 + GLUON_TILE * (GLUON_TILE + 16) * 2 + 1024
     if smem > _GLUON_SMEM:
         reasons.append(f"kv_lora_rank + rope_dim = {L + R}: the Gluon kernel's tiles would "
                        f"need {smem} bytes of shared memory, sm_90 has {_GLUON_SMEM}")
@@ -302,14 +304,15 @@ def gluon_unsupported_reasons(q_dtype: torch.dtype, kv_cache: torch.Tensor, kv_l
 
 def _gluon_descriptors(cache: torch.Tensor, L: int, R: int) -> tuple[Any, Any]:
     """Gluon TMA descriptors of the latent ``[64, L]`` and rope ``[64, R]`` blocks of
-    the cache seen as ``[nb * bs, L + R]`` (:func:`gluon_unsupported_reasons` checked
-    that it can be)."""
+    the cache seen as ``[nb * bs, L + R]`` (16-bit, or fp8 as bytes;
+    :func:`gluon_unsupported_reasons` checked that it can be)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     rows = _tma_rows(cache)
     assert rows is not None  # checked by gluon_unsupported_reasons
-    dtype = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+             torch.uint8: gl.uint8}[cache.dtype]
     shape, strides = list(rows.shape), list(rows.stride())
 
     def desc(width: int) -> Any:
@@ -432,12 +435,13 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     if use_gluon:
         lat_d, pe_d = _gluon_descriptors(cache, L, R)
         _gluon_kernel()[(head_tiles, splits, t)](
-            q, qe, lat_d, pe_d, cache, bt, req, pos, out, o_part, lse_part,
+            q, qe, lat_d, pe_d, cache, bt, req, pos,
+            fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,
             q.stride(0), q.stride(1), qe.stride(0), qe.stride(1),
             cache.stride(0), cache.stride(1), bt.stride(0),
             out.stride(0), out.stride(1), *part_strides,
             n, scale, splits,
-            KV_LORA=L, ROPE=R, PAGE=page, SINGLE=single, BLOCK_H=GLUON_TILE,
+            KV_LORA=L, ROPE=R, PAGE=page, FP8=fp8, SINGLE=single, BLOCK_H=GLUON_TILE,
             BLOCK_N=GLUON_TILE, num_warps=8,
         )
     else:
