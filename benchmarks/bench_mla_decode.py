@@ -9,9 +9,11 @@ fp8 (E4M3, scale 0.37) caches. Measured in the same run:
 * the bf16 matmul rate: an 8192^3 ``torch.matmul``;
 * each decode step, replayed from a CUDA graph and timed by CUDA events: the layer
   (TRITON_MLA, and FLASHMLA, whose portable path runs where ``flash_mla`` does not
-  import), the Triton decode alone (``mla_decode_triton``) and the per-row kernel it
-  replaced (``mla_decode_per_row``), and the layer's pieces one by one ("layer:
-  write", "absorb", "decode" on the layer's strided inputs, "project").
+  import), the decode alone (``mla_decode_triton``: the Gluon kernel on sm_90, path
+  ``gluon``, with the Triton kernel it replaced timed beside it; the Triton kernel
+  elsewhere) and the per-row kernel (``mla_decode_per_row``), and the layer's pieces
+  one by one ("layer: write", "absorb", "decode" on the layer's strided inputs,
+  "project").
 
 The roofline of a step is ``max(flops / matmul rate, bytes / read rate)`` with
 ``flops = 2 B N S (L + R) + 2 B N S L`` (scores and values) and ``bytes = B S (L + R)``
