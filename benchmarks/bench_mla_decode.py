@@ -154,9 +154,9 @@ class Step:
         if variant == "per-row":
             return lambda: mla_decode_per_row(*args, scale=self.spec.scale,
                                               max_seq_len=m.max_decode_seq_len)
-        if variant in ("triton", "seesaw"):
+        if variant == "triton":
             cfg = dataclasses.replace(default_config(q_lat.dtype, gpu_of(q_lat.device)),
-                                      gluon=variant == "seesaw", seesaw=variant == "seesaw")
+                                      gluon=False)
             return lambda: mla_decode_mma(*args, scale=self.spec.scale,
                                           max_seq_len=m.max_decode_seq_len, config=cfg,
                                           out_dtype=torch.bfloat16)
@@ -282,10 +282,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     err_t = step.check("triton")
                     failed |= not err_t < tol
                     variants.append(("decode kernel", "triton", "triton", err_t))
-                    if cache_dtype == "auto":  # the warpgroups in turn
-                        err_s = step.check("seesaw")
-                        failed |= not err_s < tol
-                        variants.append(("decode kernel", "seesaw", "seesaw", err_s))
                 variants.append(("per-row kernel", "per-row", "triton", None))
                 for what, variant, kpath, kerr in variants:
                     us = _time(step.kernel(variant), device, args.replays)

@@ -57,10 +57,7 @@ class MLADecodeConfig:
     exactly, a power of two a head); ``gluon``: on NVIDIA sm_90 with a 16-bit model,
     the Gluon kernel of :mod:`vllm.attention.ops.gluon_mla_decode_kernels` (its own
     tiles: 64 heads, 64 rows, 8 warps, two key buffers), where
-    :func:`gluon_unsupported_reasons` is empty; elsewhere the fields above;
-    ``seesaw`` (with ``gluon``, 16-bit caches): its variant of
-    :mod:`vllm.attention.ops.gluon_mla_seesaw_kernels`, the two warpgroups taking
-    tiles of 32 rows in turn beside a loader warp.
+    :func:`gluon_unsupported_reasons` is empty; elsewhere the fields above.
     """
 
     block_h: int
@@ -75,7 +72,6 @@ class MLADecodeConfig:
     fp8_fp16_dot: bool = True
     heads_as_n: bool = False
     gluon: bool = False
-    seesaw: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n"):
@@ -306,9 +302,8 @@ def gluon_unsupported_reasons(q_dtype: torch.dtype, kv_cache: torch.Tensor, kv_l
     return reasons
 
 
-def _gluon_descriptors(cache: torch.Tensor, L: int, R: int,
-                       tile: int = GLUON_TILE) -> tuple[Any, Any]:
-    """Gluon TMA descriptors of the latent ``[tile, L]`` and rope ``[tile, R]`` blocks of
+def _gluon_descriptors(cache: torch.Tensor, L: int, R: int) -> tuple[Any, Any]:
+    """Gluon TMA descriptors of the latent ``[64, L]`` and rope ``[64, R]`` blocks of
     the cache seen as ``[nb * bs, L + R]`` (16-bit, or fp8 as bytes;
     :func:`gluon_unsupported_reasons` checked that it can be)."""
     from triton.experimental.gluon import language as gl
@@ -321,21 +316,11 @@ def _gluon_descriptors(cache: torch.Tensor, L: int, R: int,
     shape, strides = list(rows.shape), list(rows.stride())
 
     def desc(width: int) -> Any:
-        block = [tile, width]
+        block = [GLUON_TILE, width]
         return TensorDescriptor(rows, shape, strides, block,
                                 gl.NVMMASharedLayout.get_default_for(block, dtype))
 
     return desc(L), desc(R)
-
-
-def _seesaw_kernel() -> Any:
-    from vllm.attention.ops.gluon_mla_seesaw_kernels import mla_decode_seesaw_kernel
-
-    return mla_decode_seesaw_kernel
-
-
-SEESAW_TILE = 32
-"""The rows a tile of the seesaw kernel."""
 
 
 def _gluon_kernel() -> Any:
@@ -447,17 +432,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         lse_part = torch.empty(t, n, splits, dtype=torch.float32, device=q.device)
         part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2),
                         lse_part.stride(0), lse_part.stride(1))
-    if use_gluon and cfg.seesaw and not fp8:
-        lat_d, pe_d = _gluon_descriptors(cache, L, R, tile=SEESAW_TILE)
-        _seesaw_kernel()[(head_tiles, splits, t)](
-            q, qe, lat_d, pe_d, bt, req, pos, out, o_part, lse_part,
-            q.stride(0), q.stride(1), qe.stride(0), qe.stride(1), bt.stride(0),
-            out.stride(0), out.stride(1), *part_strides,
-            n, scale, splits,
-            KV_LORA=L, ROPE=R, PAGE=page, SINGLE=single, BLOCK_H=GLUON_TILE,
-            BLOCK_N=SEESAW_TILE, NBUF=4, num_warps=4, maxnreg=168,
-        )
-    elif use_gluon:
+    if use_gluon:
         lat_d, pe_d = _gluon_descriptors(cache, L, R)
         _gluon_kernel()[(head_tiles, splits, t)](
             q, qe, lat_d, pe_d, cache, bt, req, pos,
