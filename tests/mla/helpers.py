@@ -93,6 +93,29 @@ def shuffled_block_table(seq_lens: list[int], page: int, g: torch.Generator, *,
     return bt, nb
 
 
+def filled_latent_cache(seq_lens: list[int], page: int, width: int, storage: torch.dtype,
+                        g: torch.Generator, *, k_scale: float | None = None, spare: int = 1,
+                        device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor,
+                                                       list[tuple[int, int]]]:
+    """A latent cache ``(nb, page, width)`` in ``storage`` over a shuffled block table
+    (:func:`shuffled_block_table`) holding random rows for requests of ``seq_lens``
+    tokens (divided by ``k_scale`` for an fp8 cache, so the stored values span its
+    range), every other byte 0xFF (NaN in bf16, fp16, E4M3 and E5M2). Returns the cache,
+    the block table (on ``device``) and one decode token ``(request, last position)`` a
+    request."""
+    bt, nb = shuffled_block_table(seq_lens, page, g, spare=spare)
+    cache = torch.empty(nb, page, width, dtype=storage, device=device)
+    cache.view(torch.uint8).fill_(0xFF)
+    for r, n in enumerate(seq_lens):
+        pos = torch.arange(n)
+        rows = torch.randn(n, width, generator=g)
+        if k_scale is not None:
+            rows = rows / k_scale
+        cache[bt[r, pos // page].long().to(device), (pos % page).to(device)] = \
+            rows.to(storage).to(device)
+    return cache, bt.to(device), [(r, n - 1) for r, n in enumerate(seq_lens)]
+
+
 def latent_decode_reference(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                             tokens: list[tuple[int, int]], kv_lora_rank: int, scale: float,
                             k_scale: float | None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.mla.helpers import latent_decode_reference, shuffled_block_table
+from tests.mla.helpers import filled_latent_cache, latent_decode_reference
 from vllm.attention.ops.mla_attention import LatentFormat
 from vllm.attention.registry import get_backend
 from vllm.attention.writers.kernels.device import GPU
@@ -85,20 +85,13 @@ def _sm90() -> bool:
 
 def _case(heads: int, dtype: torch.dtype, cache_dtype: str, seed: int) -> dict[str, object]:
     g = torch.Generator().manual_seed(seed)
-    bt, nb = shuffled_block_table(SEQ_LENS, PAGE, g, spare=2)
-    storage = FP8.get(cache_dtype, dtype)
-    cache = torch.empty(nb, PAGE, L + R, dtype=storage, device="cuda")
-    cache.view(torch.uint8).fill_(0xFF)  # NaN (bf16, fp16, E4M3, E5M2) in every slot no request owns
-    for r, n in enumerate(SEQ_LENS):
-        pos = torch.arange(n)
-        rows = torch.randn(n, L + R, generator=g)
-        if cache_dtype in FP8:
-            rows = rows / K_SCALE
-        cache[bt[r, pos // PAGE].long().cuda(), (pos % PAGE).cuda()] = rows.to(storage).cuda()
-    tokens = [(r, n - 1) for r, n in enumerate(SEQ_LENS)]
+    # NaN in every slot no request owns
+    cache, bt, tokens = filled_latent_cache(
+        SEQ_LENS, PAGE, L + R, FP8.get(cache_dtype, dtype), g, spare=2,
+        k_scale=K_SCALE if cache_dtype in FP8 else None)
     # the query as the layer has it: a strided view of a wider buffer
     wide = torch.randn(len(tokens), heads, L + R + 8, generator=g).to(dtype).cuda()
-    return dict(cache=cache, bt=bt.cuda(), tokens=tokens, q=wide[..., :L + R],
+    return dict(cache=cache, bt=bt, tokens=tokens, q=wide[..., :L + R],
                 req=torch.tensor([r for r, _ in tokens], dtype=torch.int32, device="cuda"),
                 pos=torch.tensor([p for _, p in tokens], dtype=torch.int32, device="cuda"))
 

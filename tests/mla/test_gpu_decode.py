@@ -14,9 +14,9 @@ import torch
 
 from tests.mla.helpers import (
     FP8_CACHE_DTYPES,
+    filled_latent_cache,
     latent_decode_reference,
     make_spec,
-    shuffled_block_table,
 )
 from vllm.attention.registry import get_backend
 
@@ -31,22 +31,15 @@ def _inputs(heads: int, cache_dtype: str, seed: int = 0) -> dict[str, Any]:
     from vllm.attention.ops.mla_attention import LatentFormat
 
     g = torch.Generator().manual_seed(seed)
-    bt, nb = shuffled_block_table(SEQ_LENS, PAGE, g, spare=3)
     k_scale = 0.37
     storage = FP8_CACHE_DTYPES.get(cache_dtype, torch.bfloat16)
-    cache = torch.empty(nb, PAGE, L + R, dtype=storage, device="cuda")
-    cache.view(torch.uint8).fill_(0xFF)  # NaN in bf16, E4M3 and E5M2
-    for r, n in enumerate(SEQ_LENS):
-        pos = torch.arange(n)
-        rows = torch.randn(n, L + R, generator=g)
-        if cache_dtype in FP8_CACHE_DTYPES:
-            rows = rows / k_scale
-        cache[bt[r, pos // PAGE].long().cuda(), (pos % PAGE).cuda()] = rows.to(storage).cuda()
-    tokens = [(r, n - 1) for r, n in enumerate(SEQ_LENS)]
+    cache, bt, tokens = filled_latent_cache(
+        SEQ_LENS, PAGE, L + R, storage, g, spare=3,
+        k_scale=k_scale if cache_dtype in FP8_CACHE_DTYPES else None)
     fmt = LatentFormat(cache_dtype, L, R, torch.tensor([k_scale], device="cuda"),  # type: ignore[arg-type]
                        torch.bfloat16)
     q = torch.randn(len(tokens), heads, L + R, generator=g).bfloat16().cuda()
-    return dict(fmt=fmt, cache=cache, bt=bt.cuda(), tokens=tokens, q=q,
+    return dict(fmt=fmt, cache=cache, bt=bt, tokens=tokens, q=q,
                 req=torch.tensor([r for r, _ in tokens], dtype=torch.int32, device="cuda"),
                 pos=torch.tensor([p for _, p in tokens], dtype=torch.int32, device="cuda"),
                 k_scale=k_scale if cache_dtype in FP8_CACHE_DTYPES else None)
