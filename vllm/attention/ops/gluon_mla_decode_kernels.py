@@ -1,4 +1,5 @@
-"""The dense MLA decode for Hopper (sm_90) in Gluon, 16-bit caches (imported on first use).
+"""The dense MLA decode for Hopper (sm_90) in Gluon: 16-bit models, caches in the
+model's dtype or scaled fp8 (imported on first use).
 
 Same algorithm as :func:`~vllm.attention.ops.triton_mla_decode_kernels.mla_decode_mma_kernel`
 (``BLOCK_H`` heads as the M of ``S = Q @ K^T`` and ``O += P @ K[:, :L]``, an online
@@ -6,19 +7,24 @@ softmax in base 2 between them, split-KV), written with explicit asynchronous co
 and warpgroup MMAs so the schedule is the kernel's own rather than the compiler's:
 
 * the next tile's TMA copy is issued at the start of an iteration, as soon as the
-  previous value MMA (the last reader of that buffer) has finished, so it overlaps
-  the whole iteration: the score MMAs, the softmax and the value MMA. Triton's
+  previous value MMAs (the last readers of that buffer) have finished, so it overlaps
+  the whole iteration: the score MMAs, the softmax and the value MMAs. Triton's
   pipeliner issues it at the end of the iteration, after the score MMAs' wait and the
-  softmax, which left most of a tile's load latency exposed;
-* the value MMA is left in flight across the loop's back edge and waited for only
-  where its accumulator or its operands are needed again.
+  softmax, which left most of a tile's load latency exposed; the block-table entry
+  of a copy is loaded an iteration before it;
+* the value MMAs are left in flight across the loop's back edge and waited for only
+  where their accumulators or their operands are needed again;
+* the row sums of P come from an MMA of P against a tile of ones, so no reduction
+  crosses the warpgroups a tile (the row maximum still does).
 
 The eight warps are two warpgroups laid ``[4, 2]``: each computes half of a tile's
 keys in the score MMAs and half of the latent columns in the value MMA (P goes
 through shared memory, so both see all of it). The last, partial tile of a split is
 read with masked pointer loads (a slot past the request's last position may hold
-anything, NaN too, and a zero probability times NaN is NaN). The launcher is
-:mod:`vllm.attention.ops.triton_mla_decode`; ``docs/mla.md`` explains the choices.
+anything, NaN too, and a zero probability times NaN is NaN). fp8 tiles are copied as
+bytes and widened exactly to float16 in shared memory before their MMAs. The launcher
+is :mod:`vllm.attention.ops.triton_mla_decode`; ``docs/mla.md`` explains the choices
+and what limits them.
 """
 
 from __future__ import annotations
