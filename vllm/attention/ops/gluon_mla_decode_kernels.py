@@ -43,6 +43,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+# the Triton kernel's helpers on scalars and row tiles (a Gluon kernel calls them as
+# they are: their operations keep their operands' layouts)
+from vllm.attention.ops.triton_mla_decode_kernels import query_as_fp16, split_range
+
 jit: Callable[[Callable[..., Any]], Any] = gluon.jit
 """``gluon.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
 
@@ -226,10 +230,7 @@ def mla_decode_gluon_kernel(
     t = gl.program_id(2).to(gl.int64)  # offsets of t can pass 2**31
     req = gl.load(TOK_REQ + t).to(gl.int64)
     n_keys = gl.load(TOK_POS + t) + 1
-    # splits start at multiples of BLOCK_N, so a tile never straddles two pages
-    per_split = gl.cdiv(gl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
-    start = sp * per_split
-    end = gl.maximum(gl.minimum(start + per_split, n_keys), start)
+    start, end = split_range(n_keys, num_splits, sp, BLOCK_N)
     n_full = (end - start) // BLOCK_N
 
     # the buffers: two key tiles as stored (TMA), with fp8 one widened tile, the query
@@ -264,17 +265,7 @@ def mla_decode_gluon_kernel(
     qk = sm_scale * LOG2E
     if FP8 != 0:
         qk = qk * gl.load(K_SCALE)
-        qf = q.to(gl.float32)
-        qpf = qp.to(gl.float32)
-        amax = gl.maximum(gl.max(gl.abs(qf), 1), gl.max(gl.abs(qpf), 1))
-        # floor(log2(amax)) from the exponent bits; clamped so that both powers of two
-        # are normal float32 numbers (a zero row, padding, gets 2**100 and stays zero)
-        e = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 14
-        e = gl.minimum(gl.maximum(e, -100), 100)
-        down = ((127 - e) << 23).to(gl.float32, bitcast=True)[:, None]
-        up = ((127 + e) << 23).to(gl.float32, bitcast=True)
-        q = (qf * down).to(DOT)
-        qp = (qpf * down).to(DOT)
+        q, _, qp, up = query_as_fp16(q, q, qp, 1)
         qk_scale = gl.convert_layout(qk * up, gl.SliceLayout(1, S_LAYOUT))
     else:
         qk_scale = gl.full([BLOCK_H], qk, gl.float32, gl.SliceLayout(1, S_LAYOUT))

@@ -89,12 +89,27 @@ def _load_tile(
 
 
 @jit
-def _query_as_fp16(q_a: tl.tensor, q_b: tl.tensor, q_pe: tl.tensor,
+def split_range(n_keys: tl.tensor, num_splits: tl.tensor, sp: tl.tensor,
+                BLOCK_N: tl.constexpr) -> tl.tensor:  # (start, end)
+    """Keys ``start .. end`` of split ``sp`` of a token that sees ``n_keys``: equal
+    ranges, each a multiple of ``BLOCK_N`` so a tile never straddles two pages (the
+    last may be shorter). A split past the keys is empty (``end == start``), never
+    negative: a whole-tile count must not round a negative length down. Shared with
+    the Gluon kernel."""
+    per_split = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+    start = sp * per_split
+    end = tl.maximum(tl.minimum(start + per_split, n_keys), start)
+    return start, end
+
+
+@jit
+def query_as_fp16(q_a: tl.tensor, q_b: tl.tensor, q_pe: tl.tensor,
                    LAT_CHUNKS: tl.constexpr) -> tl.tensor:  # (q_a, q_b, q_pe, scale)
     """The query rows in float16, each scaled by the power of two ``2**-e`` that puts
     its largest magnitude in ``[2**14, 2**15)``, and ``2**e`` per row (float32) for the
     scores. Exact: a bfloat16 value is a float16 one once its exponent is in range;
-    only values below ``2**-28`` of the row's largest lose bits (float16 subnormals)."""
+    only values below ``2**-28`` of the row's largest lose bits (float16 subnormals).
+    Shared with the Gluon kernel (``LAT_CHUNKS`` 1)."""
     amax = tl.max(tl.abs(q_a.to(tl.float32)), 1)
     if LAT_CHUNKS == 2:
         amax = tl.maximum(amax, tl.max(tl.abs(q_b.to(tl.float32)), 1))
@@ -288,7 +303,7 @@ def mla_decode_mma_kernel(
     ``V_SPLIT == 2`` a program accumulates the values of one chunk only (the scores
     use both). ``FP32_DOT``: IEEE float32 dots; ``FP16_DOT`` (fp8 caches): float16
     dots, the fp8 bytes widened to float16 and the query scaled into it
-    (:func:`_query_as_fp16`, staged in ``Q16``, ``[T, N, L + R]`` float16); else the
+    (:func:`query_as_fp16`, staged in ``Q16``, ``[T, N, L + R]`` float16); else the
     query's 16-bit dtype.
     ``SINGLE``: one split, the normalised output goes to ``OUT`` ``[T, N, L]``;
     otherwise ``O_PART`` ``[T, N, S, L]`` float32 and ``LSE_PART`` ``[T, N, S]`` (base
@@ -301,12 +316,7 @@ def mla_decode_mma_kernel(
     t = tl.program_id(2).to(tl.int64)  # offsets of t can pass 2**31
     req = tl.load(TOK_REQ + t).to(tl.int64)
     n_keys = tl.load(TOK_POS + t) + 1
-    # splits start at multiples of BLOCK_N, so a tile never straddles two pages
-    per_split = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
-    start = sp * per_split
-    # a split past the keys is empty (end == start), never negative: the whole-tile
-    # count below must not round a negative length down
-    end = tl.maximum(tl.minimum(start + per_split, n_keys), start)
+    start, end = split_range(n_keys, num_splits, sp, BLOCK_N)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
@@ -332,7 +342,7 @@ def mla_decode_mma_kernel(
         k_scale = tl.load(K_SCALE)
     qk_scale = tl.full([BLOCK_H], sm_scale * k_scale * LOG2E, tl.float32)
     if FP16_DOT:
-        q_a, q_b, q_pe, q_exp = _query_as_fp16(q_a, q_b, q_pe, LAT_CHUNKS)
+        q_a, q_b, q_pe, q_exp = query_as_fp16(q_a, q_b, q_pe, LAT_CHUNKS)
         qk_scale = qk_scale * q_exp
     if FP16_DOT and not HEADS_N:
         # through global memory and back: Triton keeps a dot's first operand in shared
