@@ -166,16 +166,13 @@ class Step:
 
     def kernel_path(self) -> str:
         """``gluon`` where the default decode runs the Gluon kernel, else ``triton``."""
-        from vllm.attention.ops.triton_mla_decode import (
-            default_config,
-            gluon_unsupported_reasons,
-        )
+        from vllm.attention.ops.triton_mla_decode import default_config, takes_gluon
 
-        q = self.q
-        gpu = gpu_of(q.device)
+        gpu = gpu_of(self.q.device)
         fmt = self.layer.impl.latent_format(self.layer, torch.bfloat16)  # type: ignore[attr-defined]
-        use = (default_config(q.dtype, gpu).gluon and fmt.cache_dtype != "fp8_ds_mla"
-               and not gluon_unsupported_reasons(q.dtype, self.cache, L, R, gpu))
+        use = fmt.cache_dtype != "fp8_ds_mla" and takes_gluon(
+            default_config(self.q.dtype, gpu), self.q.dtype, self.cache, L, R, gpu,
+            scale=self.spec.scale)
         return "gluon" if use else "triton"
 
     def parts(self) -> dict[str, Callable[[], object]]:
@@ -277,7 +274,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tol = step.backend.tolerances[torch.bfloat16]
                 failed |= not err < tol
                 kernel_path = step.kernel_path()
-                variants = [("decode kernel", "default", kernel_path, err)]
+                variants: list[tuple[str, str, str, float | None]] = [
+                    ("decode kernel", "default", kernel_path, err)]
                 if kernel_path == "gluon":  # the Triton kernel it replaces, beside it
                     err_t = step.check("triton")
                     failed |= not err_t < tol

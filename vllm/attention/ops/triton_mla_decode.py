@@ -302,6 +302,15 @@ def gluon_unsupported_reasons(q_dtype: torch.dtype, kv_cache: torch.Tensor, kv_l
     return reasons
 
 
+def takes_gluon(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tensor,
+                kv_lora_rank: int, rope_dim: int, gpu: GPU | None, *, scale: float) -> bool:
+    """Whether :func:`mla_decode_mma` runs this decode on the Gluon kernel: ``cfg``
+    asks for it, it can take it (:func:`gluon_unsupported_reasons`), and the softmax
+    scale is positive (the kernel scales the row maximum, not each score)."""
+    return (cfg.gluon and scale > 0
+            and not gluon_unsupported_reasons(q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu))
+
+
 def _gluon_descriptors(cache: torch.Tensor, L: int, R: int) -> tuple[Any, Any]:
     """Gluon TMA descriptors of the latent ``[64, L]`` and rope ``[64, R]`` blocks of
     the cache seen as ``[nb * bs, L + R]`` (16-bit, or fp8 as bytes;
@@ -388,9 +397,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
             "0.18) and made an illegal memory access on an H200 (2026-12-01, "
             "benchmarks/results/h200/2026-12-01-3c3e403); it runs under the "
             "interpreter only until that is found (docs/mla.md)")
-    # (the Gluon kernel scales the row maximum, not each score: a positive scale)
-    use_gluon = (cfg.gluon and scale > 0
-                 and not gluon_unsupported_reasons(q_lat.dtype, kv_cache, L, R, gpu))
+    use_gluon = takes_gluon(cfg, q_lat.dtype, kv_cache, L, R, gpu, scale=scale)
     if use_gluon:  # its own tiles
         cfg = dataclasses.replace(cfg, block_h=GLUON_TILE, block_n=GLUON_TILE, num_warps=8,
                                   v_split=1, heads_as_n=False)
