@@ -144,6 +144,25 @@ def queued_us(fn: Callable[[], object], *, iters: int = 20, warmup: int = 3,
     return statistics.median(dev_times), statistics.median(host_times)
 
 
+def kernel_us(fn: Callable[[], object], device: torch.device, *, calls: int = 5
+              ) -> list[tuple[str, float]]:
+    """Device time per call of each kernel ``fn`` launches (``torch.profiler`` over
+    ``calls`` calls after one warm-up), longest first: where a path's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        sync(device)
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time
+    return sorted(((name, us / calls) for name, us in totals.items()), key=lambda x: -x[1])
+
+
 def capture(fn: Callable[[], object], *, reps: int = 1) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``reps`` back-to-back calls of ``fn`` (warmed up on a side stream
     first: lazy compilation and launcher binding must not happen during capture)."""

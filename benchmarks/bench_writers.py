@@ -155,6 +155,9 @@ def build(cfg: Config, n: int, args: argparse.Namespace, device: torch.device,
     cache = _alloc_cache(cfg, nb, bs, h, d, model, device)
     if args.slots == "random":
         slots = torch.randperm(nb * bs, generator=gen)[:n]
+    elif args.slots == "pages":  # a prefill's: whole pages in a shuffled order
+        pages = torch.randperm(nb, generator=gen)
+        slots = (pages[:, None] * bs + torch.arange(bs)).flatten()[:n]
     else:
         slots = torch.arange(n)
     slots = slots.to(device)
@@ -285,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-lora-rank", type=int, default=512)
     p.add_argument("--rope-dim", type=int, default=64)
-    p.add_argument("--slots", choices=["random", "contiguous"], default="random")
+    p.add_argument("--slots", choices=["random", "pages", "contiguous"], default="random",
+                   help="random: every slot anywhere in the cache; pages: as a prefill "
+                        "writes them (consecutive slots of pages taken in a shuffled "
+                        "order); contiguous: slots 0..T-1")
     p.add_argument("--scale", type=float, default=1.0,
                    help="the fp8 caches' k/v scale: 1.0 (uncalibrated, a power of two: the "
                         "quantiser multiplies) or any other value (it divides)")

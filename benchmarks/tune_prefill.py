@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import (  # noqa: E402
     device_info,
-    event_us,
+    kernel_us,
     print_table,
     queued_us,
     report_text,
@@ -187,7 +187,7 @@ def sweep_flex(shapes: list[Shape], args: argparse.Namespace, device: torch.devi
             torch.cuda.synchronize(device)
             first = time.perf_counter() - t0
             run_info = flex_paged.last_run
-            t = event_us(run, iters=args.iters, warmup=2, rounds=3, device=device)
+            t = queued_us(run, iters=args.iters, warmup=2, rounds=3, device=device)[0]
             rows.append(dict(shape=shape.name, variant=f"flex {opts or 'inductor default'}",
                              time_us=t, tflops=shape.flops / t / 1e6, ratio=base_us / t,
                              rel_err=relative_error(out, ref),
@@ -196,14 +196,15 @@ def sweep_flex(shapes: list[Shape], args: argparse.Namespace, device: torch.devi
 
 
 DECODE_OPTIONS: list[dict[str, Any]] = [
-    {},                                            # the op's launch (decode_launch)
-    {"num_stages": 1, "num_warps": 2},             # Inductor's on an H200 (1 stage)
-    {"num_stages": 2, "num_warps": 2},
-    {"num_stages": 4, "num_warps": 2},
-    {"num_stages": 3, "num_warps": 4},
-    {"num_stages": 3, "num_warps": 2, "SPLIT_KV": 2},
-    {"num_stages": 3, "num_warps": 2, "SPLIT_KV": 4},
-    {"num_stages": 4, "num_warps": 4, "SPLIT_KV": 2},
+    {},                                            # the op's launch (decode_launch, decode_splits)
+    {"SPLIT_KV": 1},                               # one program a (request, kv head): full lists
+    {"num_stages": 1, "num_warps": 2, "SPLIT_KV": 1},  # Inductor's on an H200 (1 stage)
+    {"num_stages": 4, "num_warps": 2, "SPLIT_KV": 1},
+    {"num_stages": 3, "num_warps": 4, "SPLIT_KV": 1},
+] + [{"num_stages": st, "num_warps": w, "SPLIT_KV": k}
+     for k in (2, 4, 8) for w in (2, 4) for st in (3, 4)] + [
+    {"num_stages": 3, "num_warps": 2, "SPLIT_KV": 16},
+    {"num_stages": 3, "num_warps": 2, "SPLIT_KV": 4, "USE_TMA": True},
 ]
 DECODE_PAGES = (64, 128)
 """Page sizes timed besides ``--block-size`` (the decode kernel's key tile is a page)."""
@@ -239,8 +240,6 @@ def sweep_flex_decode(args: argparse.Namespace, device: torch.device, deadline: 
     """FlexAttention decode (page_table mode) against the Triton decode kernel on the same
     cache: Inductor decode-kernel launches, page sizes, a batch whose last pages are
     partly written (the tail path), and the host time per call."""
-    from _timing import host_us
-
     from vllm.attention.ops import flex_paged
     from vllm.attention.ops.triton_paged_attention import paged_attention_triton
 
@@ -264,8 +263,7 @@ def sweep_flex_decode(args: argparse.Namespace, device: torch.device, deadline: 
             return paged_attention_triton(q, kv, meta, scale=scale, output=out, causal=True)
 
         triton()
-        base_us = event_us(triton, iters=args.iters, warmup=2, rounds=3, device=device)
-        host = host_us(triton, device, calls=200, rounds=3)["loop_us"]
+        base_us, host = queued_us(triton, iters=args.iters, warmup=2, rounds=3, device=device)
         rows.append(dict(shape=name, variant="triton decode (op)", time_us=base_us,
                          gbps=kv_bytes / base_us / 1e3, ratio=1.0,
                          note=f"host {host:.0f} us/call"))
@@ -281,7 +279,9 @@ def sweep_flex_decode(args: argparse.Namespace, device: torch.device, deadline: 
                     q, kv, meta, scale=scale, output=out, mode="page_table",
                     compiled=True, kernel_options=opts or None)
 
-            launch = {**flex_paged.decode_launch(device), **opts}
+            programs = max(2, 1 << (b - 1).bit_length()) * args.kv_heads
+            launch = {**flex_paged.decode_launch(device),
+                      "SPLIT_KV": flex_paged.decode_splits(device, programs), **opts}
             label = f"flex {launch or 'inductor default'}"
             t0 = time.perf_counter()
             try:
@@ -293,8 +293,12 @@ def sweep_flex_decode(args: argparse.Namespace, device: torch.device, deadline: 
                 continue
             first = time.perf_counter() - t0
             info = flex_paged.last_run
-            t = event_us(flex, iters=args.iters, warmup=2, rounds=3, device=device)
-            host_flex = host_us(flex, device, calls=50, rounds=3)["loop_us"] if not opts else None
+            t, host_q = queued_us(flex, iters=args.iters, warmup=2, rounds=3, device=device)
+            host_flex = host_q if not opts else None
+            if not opts:  # where the default launch's time goes, kernel by kernel
+                for kname, kus in kernel_us(flex, device)[:8]:
+                    rows.append(dict(shape=name, variant=f"  kernel {kname[:60]}",
+                                     time_us=kus))
             err = relative_error(out, ref)
             rows.append(dict(shape=name, variant=label, time_us=t, gbps=kv_bytes / t / 1e3,
                              ratio=base_us / t, rel_err=err, default=not opts,
@@ -324,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flex", action="store_true",
                    help="time FlexAttention instead: decode launches and pages, then prefill "
                         "kernel options (--budget for all of it)")
+    p.add_argument("--decode-only", action="store_true",
+                   help="with --flex: the decode sweep only (no prefill kernel options)")
     p.add_argument("--decode-batch", type=int, default=64)
     p.add_argument("--decode-context", type=int, default=4096)
     args = p.parse_args(argv)
@@ -337,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [Shape(name, ctx, new, args, device, g) for name, ctx, new in target_shapes(args)]
     if args.flex:
         rows = sweep_flex_decode(args, device, deadline)
-        rows += sweep_flex(shapes, args, device, deadline)
+        if not args.decode_only:
+            rows += sweep_flex(shapes, args, device, deadline)
         prefix = "flex"
     else:
         rows = sweep_triton(shapes, args, device, deadline)

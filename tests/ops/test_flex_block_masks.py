@@ -103,14 +103,16 @@ PAGE_TABLE = [
 RUNS = [(c, "gather") for c in GATHER] + [(c, "page_table") for c in PAGE_TABLE]
 
 
-def _run(case: Case, mode: str, seen: Seen) -> tuple[Built, torch.Tensor]:
+def _run(case: Case, mode: str, seen: Seen,
+         kernel_options: dict[str, Any] | None = None) -> tuple[Built, torch.Tensor]:
     seen.query_lens = case.query_lens
     b = build(case)
     out = b.new_output()
     flex_paged.flex_paged_attention(
         b.query, b.kv, b.batch.common, scale=case.scale, output=out, causal=case.causal,
         sliding_window=case.sliding_window, logits_soft_cap=case.logits_soft_cap,
-        tree_mask=b.tree_mask, mode=mode, compiled=True)  # type: ignore[arg-type]
+        tree_mask=b.tree_mask, mode=mode, compiled=True,  # type: ignore[arg-type]
+        kernel_options=kernel_options)
     assert flex_paged.last_run == flex_paged.FlexRun(mode, True)  # type: ignore[arg-type]
     return b, out
 
@@ -132,6 +134,44 @@ def test_block_sparse_result_matches_float64(case: Case, mode: str, block_sparse
     assert not out.isnan().any()
     err = rel_err(out, b.reference)
     assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("case", PAGE_TABLE, ids=[c.id() for c in PAGE_TABLE])
+def test_split_decode_lists_every_page_as_partial(case: Case, block_sparse: Seen) -> None:
+    """With SPLIT_KV > 1 (Inductor's decode kernel splits full lists by the cache's
+    length, not the request's) every visible page is one partial list, still right
+    against the mask_mod and float64; one split keeps the full lists, and so does a
+    batch Inductor runs its forward kernel for (128 queries or more)."""
+    decode_kernel = max(case.query_lens) < 128 and case.group & (case.group - 1) == 0
+    seen: list[Any] = []
+    build_mask = flex_paged._page_block_mask
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        tables = build_mask(*args, **kwargs)
+        seen.append(tables)
+        return tables
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flex_paged, "_page_block_mask", spy)
+        b, out = _run(case, "page_table", block_sparse, {"SPLIT_KV": 4})
+        one = seen[-1]
+        assert (one.n_full is None) == decode_kernel
+        assert (one.block_mask.full_kv_num_blocks is None) == decode_kernel
+        assert block_sparse.calls[-1]["errors"] == []
+        assert rel_err(out, b.reference) <= TOLERANCE[case.dtype]
+        _run(case, "page_table", block_sparse, {"SPLIT_KV": 1})
+        two = seen[-1]
+    assert two.block_mask.full_kv_num_blocks is not None
+    assert block_sparse.calls[-1]["errors"] == []
+    # the same pages either way
+    if not decode_kernel:
+        return
+    for z in range(one.rows):
+        for qb in range(one.parts.shape[1]):
+            listed = sorted(one.parts[z, qb, :int(one.n_part[z, qb])].tolist())
+            split = (two.parts[z, qb, :int(two.n_part[z, qb])].tolist()
+                     + two.fulls[z, qb, :int(two.n_full[z, qb])].tolist())
+            assert listed == sorted(split)
 
 
 TAILS = [PAGE_TABLE[0], PAGE_TABLE[1]]

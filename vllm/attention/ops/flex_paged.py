@@ -501,8 +501,9 @@ class _PageTables:
     """``[rows]`` int64: positions in the request's whole (fully written) pages."""
     n_part: torch.Tensor
     parts: torch.Tensor
-    n_full: torch.Tensor
-    fulls: torch.Tensor
+    n_full: torch.Tensor | None
+    """None: one list (every visible page in ``parts``, ``mask_mod`` on each)."""
+    fulls: torch.Tensor | None
     tail_block: torch.Tensor
     """``[rows]`` int64: physical block of the partly written last page (0 when none)."""
     tail_len: torch.Tensor
@@ -513,7 +514,9 @@ class _PageTables:
 
 
 def _page_tables(batch: PagedBatchLike, num_blocks: int, block_size: int, *, causal: bool,
-                 window: int | None) -> _PageTables:
+                 window: int | None, one_list: bool = False) -> _PageTables:
+    """``one_list``: list every visible page as partial (no full lists); see
+    :func:`_run_page_table` for why a split decode needs that."""
     bs = block_size
     dev = batch.block_table.device
     starts = batch.query_start_loc_cpu.to(torch.int64)
@@ -543,6 +546,8 @@ def _page_tables(batch: PagedBatchLike, num_blocks: int, block_size: int, *, cau
     f_hi = (p0 + 1) // bs if causal else hi
     f_lo = torch.clamp(torch.maximum(f_lo, lo), max=hi)
     f_hi = torch.clamp(torch.minimum(f_hi, hi), min=f_lo)
+    if one_list:
+        f_lo = f_hi = hi
     n_low = f_lo - lo
     n_part = n_low + (hi - f_hi)
     n_full = f_hi - f_lo
@@ -569,7 +574,8 @@ def _page_tables(batch: PagedBatchLike, num_blocks: int, block_size: int, *, cau
     return _PageTables(
         rows=rows, q_len=lq, p2l=p2l[:, :num_blocks], q_ctx=ctx.to(dev),
         whole=(whole_pages * bs).to(dev), n_part=n_part.to(i32).to(dev),
-        parts=parts.to(i32), n_full=n_full.to(i32).to(dev), fulls=fulls.to(i32),
+        parts=parts.to(i32), n_full=None if one_list else n_full.to(i32).to(dev),
+        fulls=None if one_list else fulls.to(i32),
         tail_block=tail_block, tail_len=tail_len.to(dev), has_tail=bool((tail_len > 0).any()),
     )
 
@@ -672,14 +678,17 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 
 def _page_block_mask(batch: PagedBatchLike, kv: PagedKV, *, causal: bool,
-                     window: int | None) -> _PageTables:
+                     window: int | None, one_list: bool) -> _PageTables:
     from torch.nn.attention.flex_attention import BlockMask
 
     bs = kv.block_size
-    t = _page_tables(batch, kv.num_blocks, bs, causal=causal, window=window)
+    t = _page_tables(batch, kv.num_blocks, bs, causal=causal, window=window,
+                     one_list=one_list)
     mask_mod = _page_mask(t.p2l, t.q_ctx, t.whole, block_size=bs, causal=causal, window=window)
     block_mask = BlockMask.from_kv_blocks(
-        t.n_part[:, None], t.parts[:, None], t.n_full[:, None], t.fulls[:, None],
+        t.n_part[:, None], t.parts[:, None],
+        None if t.n_full is None else t.n_full[:, None],
+        None if t.fulls is None else t.fulls[:, None],
         BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod,
         seq_lengths=(t.q_len, kv.num_blocks * bs), compute_q_blocks=False)
     _mark_sizes_dynamic(block_mask)
@@ -692,22 +701,33 @@ def _run_page_table(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, *,
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``([rows, Hq, q_len, Dv], flat query rows or None)`` over the cache in place."""
     bs = kv.block_size
+    options = dict(kernel_options or {})
+    if bs < 128:  # a kernel key tile must divide the mask's (one page)
+        options.setdefault("BLOCK_N", bs)
+    rows = max(2, _bucket(batch.num_reqs))
+    starts = batch.query_start_loc_cpu.to(torch.int64)
+    q_len = max(1, int((starts[1:] - starts[:-1]).max()) if batch.num_reqs else 1)
+    group = query.shape[1] // kv.num_kv_heads
+    decode = q_len < 128 and group & (group - 1) == 0
+    if decode:  # Inductor runs its decode kernel
+        for key, value in decode_launch(kv.device).items():
+            options.setdefault(key, value)
+        options.setdefault("SPLIT_KV", decode_splits(kv.device, rows * kv.num_kv_heads))
+    # Inductor's decode kernel divides the partial list among its splits by the
+    # request's pages, but the full list by the whole K/V length, here every slot of the
+    # cache: a request's full pages would all fall to one split. With more than one
+    # split every page is listed as partial (the mask_mod evaluated on each).
+    one_list = decode and int(options["SPLIT_KV"]) > 1
     t: _PageTables = _per_batch(
-        batch, ("page_table", kv.num_blocks, bs, causal, sliding_window),
-        lambda: _page_block_mask(batch, kv, causal=causal, window=sliding_window))
+        batch, ("page_table", kv.num_blocks, bs, causal, sliding_window, one_list),
+        lambda: _page_block_mask(batch, kv, causal=causal, window=sliding_window,
+                                 one_list=one_list))
     q4, idx = _padded_queries(query, batch, t.rows, t.q_len)
     # Inductor runs its decode kernel (GQA heads of a kv head in one tile, split-KV)
     # only for a batch size known when compiling: one compile per power of two.
     torch._dynamo.mark_static(q4, 0)
     k4 = kv.key.data.flatten(0, 1).transpose(0, 1).unsqueeze(0)     # [1, H, nb*bs, D], a view
     v4 = kv.value.data.flatten(0, 1).transpose(0, 1).unsqueeze(0)
-    options = dict(kernel_options or {})
-    if bs < 128:  # a kernel key tile must divide the mask's (one page)
-        options.setdefault("BLOCK_N", bs)
-    group = query.shape[1] // kv.num_kv_heads
-    if t.q_len < 128 and group & (group - 1) == 0:  # Inductor runs its decode kernel
-        for key, value in decode_launch(kv.device).items():
-            options.setdefault(key, value)
     out, lse = _call_flex(q4, k4, v4, block_mask=t.block_mask,
                           score_mod=_soft_cap_mod(logits_soft_cap), scale=scale,
                           compiled=True, lse=t.has_tail, kernel_options=options)
@@ -750,6 +770,23 @@ def decode_launch(device: torch.device) -> dict[str, int]:
             (9, 0), (10, 0), (10, 3)):
         return {"num_stages": 3, "num_warps": 2}
     return {}
+
+
+DECODE_PROGRAMS_PER_SM = 8
+"""Programs (batch entry x kv head x split) an SM is given in page_table decode: the
+decode kernel walks one page per loop step, so it keeps the memory busy only with many
+programs in flight (``benchmarks/tune_prefill.py --flex`` times the split counts)."""
+
+
+def decode_splits(device: torch.device, programs: int) -> int:
+    """``SPLIT_KV`` of Inductor's decode kernel (page_table mode) for ``programs``
+    (batch entries x kv heads): enough splits of each request's pages for
+    :data:`DECODE_PROGRAMS_PER_SM` programs an SM, at most 16; 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-sms * DECODE_PROGRAMS_PER_SM // max(1, programs))
+    return max(1, min(16, want))
 
 
 # -- entry point --------------------------------------------------------------------------
