@@ -72,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import (  # noqa: E402
     copy_ceiling_gbps,
     device_info,
+    kernel_us,
     queued_us,
     print_table,
     report_text,
@@ -395,6 +396,10 @@ def bench_decode(args: argparse.Namespace, device: torch.device, g: torch.Genera
                 ratio=None if triton_us is None else triton_us / t,
                 rel_err=None if name == "TRITON_ATTN" else relative_error(out, ref),
                 first_call_s=first_s, note="; ".join(impl.last_fallbacks)))
+            if device.type == "cuda" and name == "FLEX_ATTENTION":  # where its time goes
+                for kname, kus in kernel_us(step, device)[:6]:
+                    rows.append(dict(shape=f"decode {b}x{ctx}", impl=name,
+                                     what="  kernel", path=kname[:60], time_us=kus))
     if copy_gbps is not None:
         rows.append(dict(shape=f"decode {b}x{ctx}", impl="copy_ (read + write)", what="baseline",
                          path="-", gbps=copy_gbps, note="device copy rate, 1 GiB bf16"))
@@ -443,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-batch", type=int, default=64)
     p.add_argument("--decode-context", type=int, default=4096)
     p.add_argument("--no-decode", action="store_true")
+    p.add_argument("--decode-only", action="store_true", help="the decode rows only")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-isolate", dest="isolate", action="store_false",
@@ -467,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_decode:  # first: no vendor package is imported yet in this process
         rows += bench_decode(args, device, g)
     for name, ctx, new in target_shapes(args):
-        if not own:
+        if not own or args.decode_only:
             break
         shape = Shape(name, ctx, new, args, device, g)
         rows += bench_prefill_shape(shape, args, device)

@@ -222,9 +222,15 @@ def _decode_cache(b: int, ctx: int, bs: int, args: argparse.Namespace, device: t
     batch = make_paged_batch([1] * b, [ctx - 1] * b, block_size=bs, device=device,
                              generator=torch.Generator().manual_seed(seed))
     q = torch.randn(b, args.heads, d, generator=g, device=device).to(dtype)
+    from vllm.attention import allocate_kv_cache
+    from vllm.attention.registry import get_backend
+
+    # FLEX_ATTENTION's block-interleaved cache in its physical order (a tensor in the
+    # logical order does not merge blocks and tokens into one slot axis)
     layout = L.SPLIT_BLOCK_INTERLEAVED
-    cache = torch.zeros(kv_cache_shape(layout, batch.num_blocks, bs, h, d), dtype=dtype,
-                        device=device)
+    cache = allocate_kv_cache(get_backend("FLEX_ATTENTION"), num_blocks=batch.num_blocks,
+                              block_size=bs, num_kv_heads=h, head_size=d, model_dtype=dtype,
+                              device=device).zero_()
     quant = KVQuant.unscaled()
     per_req = ctx - 1
     slots = torch.cat([batch.context_slots.view(b, per_req), batch.new_slots.view(b, 1)], 1)

@@ -216,6 +216,31 @@ def test_page_table_mode_says_why_not() -> None:
     assert "kv_cache_dtype" in (page_table_supported(fp8.kv, torch.float32) or "")
 
 
+def test_page_table_mode_refuses_a_cache_it_would_copy() -> None:
+    """A block-interleaved cache allocated in its logical order (not the layout's
+    physical one): its block and token axes do not merge, so reading it as one slot
+    axis would copy the whole cache every call. page_table says so; auto gathers."""
+    from vllm.attention.ops.flex_paged import choose_mode
+    from vllm.attention.ops.paged_kv import PagedKV
+
+    case = Case(L.SPLIT_BLOCK_INTERLEAVED, query_lens=(1, 1, 1), context_lens=(40, 3, 17))
+    b = build(case)
+    assert page_table_supported(b.kv, torch.float32) is None
+    logical = b.kv_cache.contiguous()  # the same values, blocks K-then-V
+    assert not torch.equal(torch.tensor(logical.stride()), torch.tensor(b.kv_cache.stride()))
+    kv = PagedKV.from_cache(logical, case.layout, b.kv.quant, block_size=case.block_size,
+                            num_kv_heads=case.num_kv_heads, head_size=case.head_size)
+    reason = page_table_supported(kv, torch.float32)
+    assert reason is not None and "do not merge into one slot axis" in reason, reason
+    assert choose_mode(kv, b.batch.common, torch.float32, compiled=True, tree=False) == "gather"
+    with pytest.raises(InvalidArgumentError, match="mode"):
+        flex_paged_attention(b.query, kv, b.batch.common, scale=case.scale,
+                             output=b.new_output(), mode="page_table", compiled=True)
+    out = b.new_output()
+    flex_paged_attention(b.query, kv, b.batch.common, scale=case.scale, output=out)
+    assert rel_err(out, b.reference) <= TOLERANCE[torch.float32]
+
+
 def test_eager_warning_is_silenced_only_inside_the_op() -> None:
     b = build(Case(**SMALL))  # type: ignore[arg-type]
     with warnings.catch_warnings(record=True) as seen:

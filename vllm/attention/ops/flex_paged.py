@@ -196,6 +196,16 @@ def _tensor(x: object) -> torch.Tensor:
     return x
 
 
+def _slots(op: PagedOperand) -> torch.Tensor | None:
+    """``op`` as ``[1, H, nb * bs, D]``, a view of the cache (None where its block and
+    token axes do not merge into one slot axis: a cache not in its layout's physical
+    order, which ``flatten`` would copy whole on every call)."""
+    x = op.data
+    if x.dim() != 4 or (x.shape[0] > 1 and x.stride(0) != x.shape[1] * x.stride(1)):
+        return None
+    return x.flatten(0, 1).transpose(0, 1).unsqueeze(0)
+
+
 def page_table_supported(kv: PagedKV, query_dtype: torch.dtype) -> str | None:
     """Why ``mode="page_table"`` cannot run on ``kv`` (None when it can)."""
     if kv.layout not in _ZERO_COPY_LAYOUTS:
@@ -205,6 +215,12 @@ def page_table_supported(kv: PagedKV, query_dtype: torch.dtype) -> str | None:
         return f"kv_cache_dtype={kv.cache_dtype!r}, page_table mode needs 'auto'"
     if kv.key.data.dtype != query_dtype:
         return f"cache dtype {kv.key.data.dtype} differs from the query's {query_dtype}"
+    for name, op in (("key", kv.key), ("value", kv.value)):
+        if _slots(op) is None:
+            return (f"the cache's {name} blocks (shape {tuple(op.data.shape)}, strides "
+                    f"{op.data.stride()}) do not merge into one slot axis: a cache not in "
+                    f"{kv.layout.value}'s physical order (allocate_kv_cache makes it) "
+                    "would be copied whole on every call")
     return None
 
 
@@ -726,8 +742,10 @@ def _run_page_table(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, *,
     # Inductor runs its decode kernel (GQA heads of a kv head in one tile, split-KV)
     # only for a batch size known when compiling: one compile per power of two.
     torch._dynamo.mark_static(q4, 0)
-    k4 = kv.key.data.flatten(0, 1).transpose(0, 1).unsqueeze(0)     # [1, H, nb*bs, D], a view
-    v4 = kv.value.data.flatten(0, 1).transpose(0, 1).unsqueeze(0)
+    k4, v4 = _slots(kv.key), _slots(kv.value)     # [1, H, nb*bs, D], views
+    if k4 is None or v4 is None:  # page_table_supported said why
+        raise InvalidArgumentError("kv", kv.layout.value,
+                                   f"a cache page_table mode can read: {page_table_supported(kv, query.dtype)}")
     out, lse = _call_flex(q4, k4, v4, block_mask=t.block_mask,
                           score_mod=_soft_cap_mod(logits_soft_cap), scale=scale,
                           compiled=True, lse=t.has_tail, kernel_options=options)
