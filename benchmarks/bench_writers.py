@@ -5,8 +5,12 @@ For each layout / cache dtype and each token count (1 to 65536), times
 back-to-back calls, and the prebuilt kernel launch alone replayed from a CUDA graph
 (device time), and reports GB/s (bytes read + written: the K/V rows, the slot mapping
 and the stored entries) and the ratio to an eager device-to-device ``copy_`` of a
->= 2 GiB bf16 tensor timed with events in the same run (not in a CUDA graph). Each configuration is
-also checked once against the torch reference (byte-identical cache).
+>= 2 GiB bf16 tensor timed with events in the same run (not in a CUDA graph); the
+``/same`` column divides the time of an eager ``copy_`` moving the same bytes (half read,
+half written) by the write call's time, since a short transfer loses a larger share to
+ramp-up and tail than the 2 GiB copy does. Each configuration is also checked once
+against the torch reference (byte-identical cache). ``--slots``: random slots over the
+whole cache (the default), a prefill's (whole pages, shuffled) or contiguous.
 
 Run from the repository root on a CUDA machine::
 
@@ -99,6 +103,9 @@ class Row:
     kernel_us: float | None = None
     kernel_gbps: float | None = None
     kernel_vs_copy: float | None = None
+    same_copy_us: float | None = None
+    """An eager ``copy_`` moving the write's bytes (half read, half written), per call."""
+    call_vs_same_copy: float | None = None
     matches_reference: bool | None = None
     error: str = ""
 
@@ -343,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                                        rounds=1, device=device)
                 row.call_gbps = setup.bytes_moved / (row.call_us * 1e-6) / 1e9
                 row.call_vs_copy = row.call_gbps / copy_gbps
+                row.same_copy_us = _same_bytes_copy_us(setup.bytes_moved, args, device)
+                row.call_vs_same_copy = row.same_copy_us / row.call_us
                 if path == "triton" and setup.launch is not None:
                     row.kernel_us = _kernel_us(setup.launch, args, device)
                     row.kernel_gbps = setup.bytes_moved / (row.kernel_us * 1e-6) / 1e9
@@ -383,6 +392,23 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
+_SAME_COPY: dict[int, float] = {}
+
+
+def _same_bytes_copy_us(moved: int, args: argparse.Namespace, device: torch.device) -> float:
+    """Per-call time of an eager bf16 ``dst.copy_(src)`` that reads and writes ``moved``
+    bytes in all, timed as a write call is: the ceiling for a transfer of that size (a
+    short one loses a larger share to the kernel's ramp and tail than the 2 GiB copy)."""
+    numel = max(1, moved // 4)
+    if numel not in _SAME_COPY:
+        src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
+        dst = torch.empty_like(src)
+        _SAME_COPY[numel] = event_us(lambda: dst.copy_(src), iters=args.iters,  # noqa: F821
+                                     warmup=args.warmup, rounds=1, device=device)
+        del src, dst
+    return _SAME_COPY[numel]
+
+
 def _triton_version() -> str | None:
     if not triton_importable():
         return None
@@ -401,12 +427,13 @@ _HEADER_DONE: list[bool] = []
 def _print_row(r: Row) -> None:
     if not _HEADER_DONE:
         print(f"{'config':42} {'tokens':>6} {'call us':>9} {'GB/s':>7} {'/copy':>6} "
-              f"{'kern us':>9} {'GB/s':>7} {'/copy':>6}  ref")
+              f"{'kern us':>9} {'GB/s':>7} {'/copy':>6} {'/same':>6}  ref")
         _HEADER_DONE.append(True)
     ref = {None: "", True: "ok", False: "MISMATCH"}[r.matches_reference]
     print(f"{r.config:42} {r.num_tokens:>6} {_fmt(r.call_us, '9.1f')} {_fmt(r.call_gbps, '7.1f')} "
           f"{_fmt(r.call_vs_copy, '6.2f')} {_fmt(r.kernel_us, '9.1f')} "
-          f"{_fmt(r.kernel_gbps, '7.1f')} {_fmt(r.kernel_vs_copy, '6.2f')}  {ref}"
+          f"{_fmt(r.kernel_gbps, '7.1f')} {_fmt(r.kernel_vs_copy, '6.2f')} "
+          f"{_fmt(r.call_vs_same_copy, '6.2f')}  {ref}"
           + (f"  ERROR {r.error}" if r.error else ""))
 
 

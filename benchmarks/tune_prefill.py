@@ -197,21 +197,20 @@ def sweep_flex(shapes: list[Shape], args: argparse.Namespace, device: torch.devi
 
 DECODE_OPTIONS: list[dict[str, Any]] = [
     {},                                            # the op's launch (decode_launch, decode_splits)
-    {"SPLIT_KV": 1},                               # one program a (request, kv head): full lists
     {"num_stages": 1, "num_warps": 2, "SPLIT_KV": 1},  # Inductor's on an H200 (1 stage)
-    {"num_stages": 4, "num_warps": 2, "SPLIT_KV": 1},
     {"num_stages": 3, "num_warps": 4, "SPLIT_KV": 1},
-] + [{"num_stages": st, "num_warps": w, "SPLIT_KV": k}
-     for k in (2, 4, 8) for w in (2, 4) for st in (3, 4)] + [
-    {"num_stages": 3, "num_warps": 2, "SPLIT_KV": 16},
+    {"num_stages": 4, "num_warps": 2, "SPLIT_KV": 3},
+    {"num_stages": 3, "num_warps": 4, "SPLIT_KV": 3},
+    {"num_stages": 3, "num_warps": 1, "SPLIT_KV": 3},
     {"num_stages": 3, "num_warps": 2, "SPLIT_KV": 4, "USE_TMA": True},
-]
+] + [{"num_stages": 3, "num_warps": 2, "SPLIT_KV": k} for k in (1, 2, 3, 4, 5, 6, 8, 12, 16)]
 DECODE_PAGES = (64, 128)
 """Page sizes timed besides ``--block-size`` (the decode kernel's key tile is a page)."""
 
 
 def _decode_cache(b: int, ctx: int, bs: int, args: argparse.Namespace, device: torch.device,
-                  seed: int) -> tuple[torch.Tensor, PagedKV, Any]:
+                  seed: int, layout: KVCacheLayout = L.SPLIT_BLOCK_INTERLEAVED
+                  ) -> tuple[torch.Tensor, PagedKV, Any]:
     """``b`` decodes of ``ctx`` keys (the last one this step's): random queries and a
     block-interleaved cache of page ``bs`` with every request's keys written, made on
     the device (the host generator of ``Shape`` would take seconds at this size)."""
@@ -222,15 +221,15 @@ def _decode_cache(b: int, ctx: int, bs: int, args: argparse.Namespace, device: t
     batch = make_paged_batch([1] * b, [ctx - 1] * b, block_size=bs, device=device,
                              generator=torch.Generator().manual_seed(seed))
     q = torch.randn(b, args.heads, d, generator=g, device=device).to(dtype)
-    from vllm.attention import allocate_kv_cache
-    from vllm.attention.registry import get_backend
+    from vllm.attention.layouts import kv_cache_stride_order
 
-    # FLEX_ATTENTION's block-interleaved cache in its physical order (a tensor in the
-    # logical order does not merge blocks and tokens into one slot axis)
-    layout = L.SPLIT_BLOCK_INTERLEAVED
-    cache = allocate_kv_cache(get_backend("FLEX_ATTENTION"), num_blocks=batch.num_blocks,
-                              block_size=bs, num_kv_heads=h, head_size=d, model_dtype=dtype,
-                              device=device).zero_()
+    # the cache in its layout's physical order (FLEX_ATTENTION's block-interleaved one,
+    # or K/V-first, the other layout page_table mode reads in place): a tensor in the
+    # logical order would not merge blocks and tokens into one slot axis
+    shape = kv_cache_shape(layout, batch.num_blocks, bs, h, d)
+    order = kv_cache_stride_order(layout)
+    physical = torch.zeros([shape[i] for i in order], dtype=dtype, device=device)
+    cache = physical.permute(*sorted(range(len(order)), key=order.__getitem__))
     quant = KVQuant.unscaled()
     per_req = ctx - 1
     slots = torch.cat([batch.context_slots.view(b, per_req), batch.new_slots.view(b, 1)], 1)
@@ -252,15 +251,19 @@ def sweep_flex_decode(args: argparse.Namespace, device: torch.device, deadline: 
     b, ctx = args.decode_batch, args.decode_context
     scale = args.head_size ** -0.5
     rows: list[dict[str, Any]] = []
-    runs: list[tuple[int, int, list[dict[str, Any]]]] = [(args.block_size, ctx, DECODE_OPTIONS)]
-    runs += [(bs, ctx, [{}]) for bs in DECODE_PAGES if bs != args.block_size]
-    runs += [(args.block_size, ctx - 6, [{}])]  # last pages 10 of 16 rows written: tails
-    for seed, (bs, c, options) in enumerate(runs):
+    inter, kv_first = L.SPLIT_BLOCK_INTERLEAVED, L.SPLIT_KV_FIRST
+    runs: list[tuple[int, int, list[dict[str, Any]], KVCacheLayout]] = [
+        (args.block_size, ctx, DECODE_OPTIONS, inter)]
+    # the same pages with K and V in blocks of their own (slot stride H*D, not 2*H*D)
+    runs += [(args.block_size, ctx, [{}, {"SPLIT_KV": 1}], kv_first)]
+    runs += [(bs, ctx, [{}], inter) for bs in DECODE_PAGES if bs != args.block_size]
+    runs += [(args.block_size, ctx - 6, [{}], inter)]  # last pages 10 of 16 rows written: tails
+    for seed, (bs, c, options, layout) in enumerate(runs):
         if time.monotonic() > deadline:
             rows.append(dict(shape="-", variant="(budget spent: remaining variants skipped)"))
             break
-        name = f"decode {b}x{c} page {bs}"
-        q, kv, meta = _decode_cache(b, c, bs, args, device, seed)
+        name = f"decode {b}x{c} page {bs}" + ("" if layout is inter else f" {layout.value}")
+        q, kv, meta = _decode_cache(b, c, bs, args, device, seed, layout)
         kv_bytes = 2 * b * c * args.kv_heads * args.head_size * q.element_size()
         ref = torch.empty_like(q)
 
