@@ -200,6 +200,9 @@ DECODE_OPTIONS: list[dict[str, Any]] = [
     {"num_stages": 1, "num_warps": 2, "SPLIT_KV": 1},  # Inductor's on an H200 (1 stage)
     {"num_stages": 3, "num_warps": 4, "SPLIT_KV": 1},
     {"num_stages": 4, "num_warps": 2, "SPLIT_KV": 3},
+    {"num_stages": 6, "num_warps": 2, "SPLIT_KV": 3},
+    {"num_stages": 8, "num_warps": 2, "SPLIT_KV": 3},
+    {"num_stages": 6, "num_warps": 2, "SPLIT_KV": 6},
     {"num_stages": 3, "num_warps": 4, "SPLIT_KV": 3},
     {"num_stages": 3, "num_warps": 1, "SPLIT_KV": 3},
     {"num_stages": 3, "num_warps": 2, "SPLIT_KV": 4, "USE_TMA": True},
