@@ -14,7 +14,11 @@ Two ways to present the pages to ``flex_attention`` (``mode``; ``"auto"`` picks)
   a listed page by its probability, zero or not, so a row nobody wrote (NaN, say) would
   poison the result: a request's last, partly written page is therefore never listed;
   its written rows are gathered and attended in float32 torch, and the two parts are
-  merged by their log-sum-exp.
+  merged by their log-sum-exp. Inductor's decode kernel splits each request's pages
+  over ``SPLIT_KV`` programs (:func:`decode_splits`); with more than one split every
+  page is listed as partial (see :func:`_run_page_table`). A cache whose block and
+  token axes do not merge into one slot axis is not read this way (it would be copied
+  whole each call): :func:`page_table_supported` says so and ``auto`` gathers.
 * ``"gather"`` (prefill, mixed batches, every layout and cache format): each
   request's positions are gathered (and dequantised) into one packed K/V sequence in
   one indexed copy; a ``mask_mod`` over request ids and positions gives causality,
@@ -904,6 +908,7 @@ __all__ = [
     "FlexRun",
     "choose_mode",
     "compiled_note",
+    "decode_splits",
     "flex_paged_attention",
     "gather_tokens",
     "page_table_supported",
