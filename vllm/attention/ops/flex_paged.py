@@ -533,6 +533,14 @@ class _PageTables:
     """The ``BlockMask`` over the cache's slots (set by :func:`_page_block_mask`)."""
 
 
+def _entries(batch: PagedBatchLike) -> tuple[int, int]:
+    """page_table mode's query shape: batch entries (a power of two >= the requests, and
+    >= 2: see :func:`_at_least_2`) and queries an entry (the longest request's, >= 1)."""
+    starts = batch.query_start_loc_cpu.to(torch.int64)
+    q_len = max(1, int((starts[1:] - starts[:-1]).max()) if batch.num_reqs else 1)
+    return max(2, _bucket(batch.num_reqs)), q_len
+
+
 def _page_tables(batch: PagedBatchLike, num_blocks: int, block_size: int, *, causal: bool,
                  window: int | None, one_list: bool = False) -> _PageTables:
     """``one_list``: list every visible page as partial (no full lists); see
@@ -543,8 +551,7 @@ def _page_tables(batch: PagedBatchLike, num_blocks: int, block_size: int, *, cau
     q_lens = starts[1:] - starts[:-1]
     seq = batch.seq_lens_cpu.to(torch.int64)
     r = batch.num_reqs
-    rows = max(2, _bucket(r))  # never 1: see _at_least_2
-    lq = max(1, int(q_lens.max()) if r else 1)
+    rows, lq = _entries(batch)
     pad = rows - r
     seq = torch.cat([seq, torch.zeros(pad, dtype=torch.int64)])
     q_lens = torch.cat([q_lens, torch.zeros(pad, dtype=torch.int64)])
@@ -724,9 +731,7 @@ def _run_page_table(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, *,
     options = dict(kernel_options or {})
     if bs < 128:  # a kernel key tile must divide the mask's (one page)
         options.setdefault("BLOCK_N", bs)
-    rows = max(2, _bucket(batch.num_reqs))
-    starts = batch.query_start_loc_cpu.to(torch.int64)
-    q_len = max(1, int((starts[1:] - starts[:-1]).max()) if batch.num_reqs else 1)
+    rows, q_len = _entries(batch)
     group = query.shape[1] // kv.num_kv_heads
     decode = q_len < 128 and group & (group - 1) == 0
     if decode:  # Inductor runs its decode kernel
@@ -748,8 +753,8 @@ def _run_page_table(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, *,
     torch._dynamo.mark_static(q4, 0)
     k4, v4 = _slots(kv.key), _slots(kv.value)     # [1, H, nb*bs, D], views
     if k4 is None or v4 is None:  # page_table_supported said why
-        raise InvalidArgumentError("kv", kv.layout.value,
-                                   f"a cache page_table mode can read: {page_table_supported(kv, query.dtype)}")
+        why = page_table_supported(kv, query.dtype)
+        raise InvalidArgumentError("kv", kv.layout.value, f"a cache page_table mode reads: {why}")
     out, lse = _call_flex(q4, k4, v4, block_mask=t.block_mask,
                           score_mod=_soft_cap_mod(logits_soft_cap), scale=scale,
                           compiled=True, lse=t.has_tail, kernel_options=options)
@@ -797,9 +802,12 @@ def decode_launch(device: torch.device) -> dict[str, int]:
 DECODE_PROGRAMS_PER_SM = 8
 """Programs (batch entry x kv head x split) an SM is given in page_table decode: the
 decode kernel walks one page per loop step, so it keeps the memory busy only with many
-programs in flight (``benchmarks/tune_prefill.py --flex`` times the split counts)."""
+programs in flight. Set from one shape (H200, batch 64 x 4096, 8 kv heads, page 16,
+where it gives 3 splits: 548 us against 593 us for one split and 583-746 us for 2, 4,
+5, 8, 12 or 16; ``benchmarks/tune_prefill.py --flex`` times the split counts)."""
 
 
+@functools.cache
 def decode_splits(device: torch.device, programs: int) -> int:
     """``SPLIT_KV`` of Inductor's decode kernel (page_table mode) for ``programs``
     (batch entries x kv heads): enough splits of each request's pages for
