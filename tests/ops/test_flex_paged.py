@@ -220,20 +220,16 @@ def test_decode_splits_fill_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """Enough SPLIT_KV programs for 8 an SM (132 SMs, an H200): 3 at 64 entries x 8 kv
     heads (the measured best there), 16 at most, 1 once the batch alone fills it, 1 off
     CUDA."""
-    from types import SimpleNamespace
-
     from vllm.attention.ops import flex_paged
+    from vllm.attention.writers.kernels import device as kernel_device
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: SimpleNamespace(multi_processor_count=132))
-    flex_paged.decode_splits.cache_clear()
+    monkeypatch.setattr(kernel_device, "gpu_of",
+                        lambda device: kernel_device.GPU("nvidia", (9, 0)))
+    monkeypatch.setattr(kernel_device, "_multiprocessors", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    try:
-        got = {n: flex_paged.decode_splits(cuda, n) for n in (2, 64, 512, 1056, 4096)}
-        assert got == {2: 16, 64: 16, 512: 3, 1056: 1, 4096: 1}
-        assert flex_paged.decode_splits(torch.device("cpu"), 512) == 1
-    finally:
-        flex_paged.decode_splits.cache_clear()
+    got = {n: flex_paged.decode_splits(cuda, n) for n in (2, 64, 512, 1056, 4096)}
+    assert got == {2: 16, 64: 16, 512: 3, 1056: 1, 4096: 1}
+    assert flex_paged.decode_splits(torch.device("cpu"), 512) == 1
 
 
 def test_page_table_mode_refuses_a_cache_it_would_copy() -> None:

@@ -793,8 +793,9 @@ def decode_launch(device: torch.device) -> dict[str, int]:
     tile is a page (16 keys at page 16), which makes the pipelining matter more.
     ``benchmarks/tune_prefill.py --flex`` times this against the alternatives.
     """
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) in (
-            (9, 0), (10, 0), (10, 3)):
+    from vllm.attention.writers.kernels.device import nvidia_capability
+
+    if nvidia_capability(device) in ((9, 0), (10, 0), (10, 3)):
         return {"num_stages": 3, "num_warps": 2}
     return {}
 
@@ -807,15 +808,15 @@ where it gives 3 splits: 548 us against 593 us for one split and 583-746 us for 
 5, 8, 12 or 16; ``benchmarks/tune_prefill.py --flex`` times the split counts)."""
 
 
-@functools.cache
 def decode_splits(device: torch.device, programs: int) -> int:
     """``SPLIT_KV`` of Inductor's decode kernel (page_table mode) for ``programs``
     (batch entries x kv heads): enough splits of each request's pages for
     :data:`DECODE_PROGRAMS_PER_SM` programs an SM, at most 16; 1 off CUDA."""
+    from vllm.attention.writers.kernels.device import multiprocessors
+
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-sms * DECODE_PROGRAMS_PER_SM // max(1, programs))
+    want = -(-multiprocessors(device) * DECODE_PROGRAMS_PER_SM // max(1, programs))
     return max(1, min(16, want))
 
 

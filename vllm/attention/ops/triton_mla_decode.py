@@ -24,7 +24,7 @@ import torch
 
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.mla_attention import LatentFormat
-from vllm.attention.writers.kernels.device import GPU, gpu_of
+from vllm.attention.writers.kernels.device import GPU, gpu_of, multiprocessors
 
 MAX_SPLITS = 64
 """The most splits of one token's keys (the combine kernel unrolls over them)."""
@@ -148,9 +148,7 @@ def _next_pow2(n: int) -> int:
 def _device_facts(device: torch.device) -> tuple[int, GPU | None]:
     """(multiprocessor count, GPU) of a CUDA or ROCm device, (1, None) elsewhere."""
     gpu = gpu_of(device)
-    if gpu is None:
-        return 1, None
-    return int(torch.cuda.get_device_properties(device).multi_processor_count), gpu
+    return (1, None) if gpu is None else (multiprocessors(device), gpu)
 
 
 def _nvidia(gpu: GPU | None) -> tuple[int, int] | None:

@@ -218,10 +218,9 @@ def wide_prefill_measured(device: torch.device) -> bool:
     """Whether long prefills on ``device`` take :data:`WIDE_PREFILL` (NVIDIA devices of
     :data:`WIDE_PREFILL_ON`, as :func:`~vllm.attention.writers.kernels.device.gpu_of`
     reports them; never under the interpreter or on ROCm)."""
-    from vllm.attention.writers.kernels.device import gpu_of
+    from vllm.attention.writers.kernels.device import nvidia_capability
 
-    gpu = None if interpreter_active() else gpu_of(device)
-    return gpu is not None and gpu.vendor == "nvidia" and gpu.capability in WIDE_PREFILL_ON
+    return not interpreter_active() and nvidia_capability(device) in WIDE_PREFILL_ON
 
 
 def is_long_prefill_launch(cfg: TritonLaunchConfig) -> bool:

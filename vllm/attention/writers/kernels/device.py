@@ -48,22 +48,36 @@ def gpu_of(device: torch.device) -> GPU | None:
     return GPU("nvidia" if torch.version.hip is None else "amd", capability)
 
 
-def _nvidia_capability(device: torch.device) -> tuple[int, int] | None:
+def nvidia_capability(device: torch.device) -> tuple[int, int] | None:
     """``device``'s compute capability on an NVIDIA GPU, else None: the one question
-    every NVIDIA-only path below starts from."""
+    every NVIDIA-only path starts from (here and in the attention ops' launch choices)."""
     gpu = gpu_of(device)
     return gpu.capability if gpu is not None and gpu.vendor == "nvidia" else None
 
 
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors (NVIDIA) or compute units (AMD) of ``device``, 1 off
+    a GPU: what launch heuristics size their grids by (cached per device)."""
+    if gpu_of(device) is None:
+        return 1
+    index: int | None = device.index
+    return _multiprocessors(torch.cuda.current_device() if index is None else index)
+
+
 def nvidia_gpu(device: torch.device) -> bool:
     """Whether ``device`` is an NVIDIA GPU (:func:`gpu_of`)."""
-    return _nvidia_capability(device) is not None
+    return nvidia_capability(device) is not None
 
 
 def hardware_fp8(device: torch.device) -> bool:
     """Whether the compiled kernels convert to fp8 in hardware here (NVIDIA sm_89+: Ada,
     Hopper, Blackwell); the interpreter, older GPUs and ROCm round in integer code."""
-    cap = _nvidia_capability(device)
+    cap = nvidia_capability(device)
     return cap is not None and cap >= (8, 9)
 
 
@@ -100,7 +114,7 @@ def hardware_fp8_nan(device: torch.device) -> bool:
     env = os.environ.get("VLLM_KV_HW_NAN", "")
     if env in ("0", "1"):
         return env == "1"
-    return _nvidia_capability(device) in _HW_NAN_CANONICAL
+    return nvidia_capability(device) in _HW_NAN_CANONICAL
 
 
 TRITON_DEFAULT_WARPS: Final = 4
