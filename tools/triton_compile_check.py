@@ -167,10 +167,9 @@ def record_paged(target: Target) -> list[Call]:
              (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1100, 1], [0, 40]),
              (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1100, 1], [0, 40], 128),
              (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1, 1], [2047, 1500])]
-    wide = target.gpu.vendor == "nvidia" and target.gpu.capability in tpa.WIDE_PREFILL_ON
-    with patched(tpa, triton_unavailable_reason=lambda device: None,  # record on CPU tensors
-                 interpreter_active=lambda: False,
-                 wide_prefill_measured=lambda device: wide), \
+    with as_gpu(target.gpu), \
+         patched(tpa, triton_unavailable_reason=lambda device: None,  # record on CPU tensors
+                 interpreter_active=lambda: False), \
          patched(kern, paged_attention_kernel=Recorder("paged", kern.paged_attention_kernel,
                                                        calls),
                  reduce_splits_kernel=Recorder("reduce", kern.reduce_splits_kernel, calls)):
