@@ -190,15 +190,24 @@ def copy_ceiling_gbps(device: torch.device, gib: float = 2.0, iters: int = 10, *
                       warmup: int = 2, rounds: int = 3) -> float:
     """GB/s (read + written) of an eager ``dst.copy_(src)`` of a ``gib`` GiB bf16 tensor
     (``copy_bytes(gib)`` bytes each way)."""
-    numel = copy_bytes(gib) // 2
-    src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
+    each_way = copy_bytes(gib)
+    us = copy_us(device, each_way, iters, warmup=warmup, rounds=rounds)
+    return 2 * each_way / (us * 1e-6) / 1e9
+
+
+def copy_us(device: torch.device, each_way: int, iters: int = 10, *, warmup: int = 2,
+            rounds: int = 3) -> float:
+    """Time per call of an eager ``dst.copy_(src)`` of a bf16 tensor of ``each_way``
+    bytes (rounded down to whole elements, at least one), CUDA events around ``iters``
+    back-to-back calls."""
+    src = torch.empty(max(1, each_way // 2), dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     us = event_us(lambda: dst.copy_(src), iters=iters, warmup=warmup,  # noqa: F821
                   rounds=rounds, device=device)
     del src, dst
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return 2 * numel * 2 / (us * 1e-6) / 1e9
+    return us
 
 
 def copy_bytes(gib: float) -> int:

@@ -37,7 +37,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import capture, copy_bytes, copy_ceiling_gbps, event_us, replay_us  # noqa: E402
+from _timing import (  # noqa: E402
+    capture,
+    copy_bytes,
+    copy_ceiling_gbps,
+    copy_us,
+    event_us,
+    replay_us,
+)
 
 from vllm.attention.layouts import (  # noqa: E402
     FP8_DS_MLA_ENTRY_BYTES,
@@ -399,14 +406,11 @@ def _same_bytes_copy_us(moved: int, args: argparse.Namespace, device: torch.devi
     """Per-call time of an eager bf16 ``dst.copy_(src)`` that reads and writes ``moved``
     bytes in all, timed as a write call is: the ceiling for a transfer of that size (a
     short one loses a larger share to the kernel's ramp and tail than the 2 GiB copy)."""
-    numel = max(1, moved // 4)
-    if numel not in _SAME_COPY:
-        src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
-        dst = torch.empty_like(src)
-        _SAME_COPY[numel] = event_us(lambda: dst.copy_(src), iters=args.iters,  # noqa: F821
-                                     warmup=args.warmup, rounds=1, device=device)
-        del src, dst
-    return _SAME_COPY[numel]
+    each_way = moved // 2
+    if each_way not in _SAME_COPY:
+        _SAME_COPY[each_way] = copy_us(device, each_way, args.iters, warmup=args.warmup,
+                                       rounds=1)
+    return _SAME_COPY[each_way]
 
 
 def _triton_version() -> str | None:

@@ -224,15 +224,19 @@ def _decode_cache(b: int, ctx: int, bs: int, args: argparse.Namespace, device: t
     batch = make_paged_batch([1] * b, [ctx - 1] * b, block_size=bs, device=device,
                              generator=torch.Generator().manual_seed(seed))
     q = torch.randn(b, args.heads, d, generator=g, device=device).to(dtype)
-    from vllm.attention.layouts import kv_cache_stride_order
+    from vllm.attention import allocate_kv_cache
+    from vllm.attention.registry import get_backend
 
-    # the cache in its layout's physical order (FLEX_ATTENTION's block-interleaved one,
-    # or K/V-first, the other layout page_table mode reads in place): a tensor in the
-    # logical order would not merge blocks and tokens into one slot axis
-    shape = kv_cache_shape(layout, batch.num_blocks, bs, h, d)
-    order = kv_cache_stride_order(layout)
-    physical = torch.zeros([shape[i] for i in order], dtype=dtype, device=device)
-    cache = physical.permute(*sorted(range(len(order)), key=order.__getitem__))
+    # the cache of a backend with that layout, in its physical order (FLEX_ATTENTION's
+    # block-interleaved one, or TREE_ATTN's K/V-first one, the other layout page_table
+    # mode reads in place): a tensor in the logical order would not merge blocks and
+    # tokens into one slot axis
+    backend = {L.SPLIT_BLOCK_INTERLEAVED: "FLEX_ATTENTION", L.SPLIT_KV_FIRST: "TREE_ATTN"}
+    if layout not in backend:
+        raise ValueError(f"layout {layout}: block-interleaved or K/V-first")
+    cache = allocate_kv_cache(get_backend(backend[layout]), num_blocks=batch.num_blocks,
+                              block_size=bs, num_kv_heads=h, head_size=d, model_dtype=dtype,
+                              device=device).zero_()
     quant = KVQuant.unscaled()
     per_req = ctx - 1
     slots = torch.cat([batch.context_slots.view(b, per_req), batch.new_slots.view(b, 1)], 1)
