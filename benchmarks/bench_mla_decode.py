@@ -169,10 +169,9 @@ class Step:
         from vllm.attention.ops.triton_mla_decode import default_config, takes_gluon
 
         gpu = gpu_of(self.q.device)
-        fmt = self.layer.impl.latent_format(self.layer, torch.bfloat16)  # type: ignore[attr-defined]
-        use = fmt.cache_dtype != "fp8_ds_mla" and takes_gluon(
-            default_config(self.q.dtype, gpu), self.q.dtype, self.cache, L, R, gpu,
-            scale=self.spec.scale)
+        # (an fp8_ds_mla cache, bytes: takes_gluon says no, as the launcher routes it)
+        use = takes_gluon(default_config(self.q.dtype, gpu), self.q.dtype, self.cache, L, R,
+                          gpu, scale=self.spec.scale)
         return "gluon" if use else "triton"
 
     def parts(self) -> dict[str, Callable[[], object]]:
