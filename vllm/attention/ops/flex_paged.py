@@ -791,7 +791,8 @@ def decode_launch(device: torch.device) -> dict[str, int]:
     tiles), but the branch for sm_110 that follows it resets every other device to 1
     stage (torch 2.13's heuristic), so its decode loop runs unpipelined; here the key
     tile is a page (16 keys at page 16), which makes the pipelining matter more.
-    ``benchmarks/tune_prefill.py --flex`` times this against the alternatives.
+    ``benchmarks/tune_prefill.py --flex`` times this against the alternatives. NVIDIA
+    only: an AMD GPU whose architecture torch reports as 9.0 (MI200) keeps Inductor's.
     """
     from vllm.attention.writers.kernels.device import nvidia_capability
 
