@@ -150,11 +150,12 @@ def live_rows(q: torch.Tensor, query_lens: tuple[int, ...]) -> torch.Tensor:
     return torch.arange(q_len)[None, :] < lens[:, None]
 
 
-def dense_mask(block_mask: Any, batch: int, heads: int, q_len: int, kv_len: int) -> torch.Tensor:
-    """``mask_mod`` over every (entry, head, query, key): bool ``[B, H, Lq, Lk]`` on the
-    host, evaluated on the block mask's device."""
+def dense_mask(block_mask: Any, batch: int, heads: int, q_len: int, kv_len: int,
+               mask_mod: Any = None) -> torch.Tensor:
+    """``mask_mod`` (default the block mask's) over every (entry, head, query, key): bool
+    ``[B, H, Lq, Lk]`` on the host, evaluated on the block mask's device."""
     dev = block_mask.kv_num_blocks.device
-    mm = block_mask.mask_mod
+    mm = block_mask.mask_mod if mask_mod is None else mask_mod
     qi = torch.arange(q_len, device=dev)[:, None]
     ki = torch.arange(kv_len, device=dev)[None, :]
     out = torch.zeros(batch, heads, q_len, kv_len, dtype=torch.bool)
@@ -166,9 +167,11 @@ def dense_mask(block_mask: Any, batch: int, heads: int, q_len: int, kv_len: int)
 
 
 def block_list_errors(block_mask: Any, *, q_len: int, kv_len: int, batch: int | None = None,
-                      live_rows: torch.Tensor | None = None, max_errors: int = 10) -> list[str]:
+                      live_rows: torch.Tensor | None = None, max_errors: int = 10,
+                      mask_mod: Any = None) -> list[str]:
     """What is wrong with ``block_mask`` for a call over ``q_len`` queries, ``kv_len``
-    keys and ``batch`` entries (empty: nothing), against its own ``mask_mod`` at block
+    keys and ``batch`` entries (empty: nothing), against its own ``mask_mod`` (or the
+    exact visibility ``mask_mod`` where the block mask carries a constant one) at block
     granularity, the lists read as the kernels read them. ``live_rows`` (bool
     ``[batch, q_len]``, default all): the query rows whose output is used; padding rows
     are free to see anything.
@@ -206,7 +209,7 @@ def block_list_errors(block_mask: Any, *, q_len: int, kv_len: int, batch: int | 
         errors.append(f"{num.shape[2]} query blocks listed, the call has {nq}")
     entries = num.shape[0] if batch is None else batch
     heads = num.shape[1]
-    truth = dense_mask(block_mask, num.shape[0], heads, q_len, kv_len)
+    truth = dense_mask(block_mask, num.shape[0], heads, q_len, kv_len, mask_mod)
     if truth.shape[0] < entries:
         truth = truth.expand(entries, -1, -1, -1)
     live = (torch.ones(entries, q_len, dtype=torch.bool) if live_rows is None

@@ -47,6 +47,12 @@ class Seen:
     calls: list[dict[str, Any]] = field(default_factory=list)
     query_lens: tuple[int, ...] = ()
     """The batch's query counts (set before the call): which query rows are real."""
+    exact: list[tuple[Any, Any]] = field(default_factory=list)
+    """page_table mode's block masks and the exact visibility of each (the block mask's
+    own ``mask_mod`` may be a constant: a single-query decode where ``lists_only``)."""
+
+    def exact_mask(self, block_mask: Any) -> Any:
+        return next((m for bm, m in self.exact if bm is block_mask), None)
 
 
 @pytest.fixture
@@ -55,6 +61,12 @@ def block_sparse(monkeypatch: pytest.MonkeyPatch) -> Seen:
     eager call (``compiled=False``) left alone."""
     seen = Seen()
     eager = flex_paged._call_flex
+    build_mask = flex_paged._page_block_mask
+
+    def page_block_mask(*args: Any, **kwargs: Any) -> Any:
+        tables = build_mask(*args, **kwargs)
+        seen.exact.append((tables.block_mask, tables.exact_mask))
+        return tables
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: Any,
              score_mod: Any, scale: float, compiled: bool, lse: bool,
@@ -63,7 +75,8 @@ def block_sparse(monkeypatch: pytest.MonkeyPatch) -> Seen:
             return eager(q, k, v, block_mask=block_mask, score_mod=score_mod, scale=scale,
                          compiled=False, lse=lse, kernel_options=kernel_options)
         errors = block_list_errors(block_mask, q_len=q.shape[2], kv_len=k.shape[2],
-                                   batch=q.shape[0], live_rows=live_rows(q, seen.query_lens))
+                                   batch=q.shape[0], live_rows=live_rows(q, seen.query_lens),
+                                   mask_mod=seen.exact_mask(block_mask))
         out, out_lse = block_sparse_attention(q, k, v, block_mask, scale=scale,
                                               score_mod=score_mod)
         seen.calls.append(dict(errors=errors, block=block_mask.BLOCK_SIZE,
@@ -71,6 +84,7 @@ def block_sparse(monkeypatch: pytest.MonkeyPatch) -> Seen:
         return out.to(q.dtype), (out_lse.float() if lse else None)
 
     monkeypatch.setattr(flex_paged, "_call_flex", call)
+    monkeypatch.setattr(flex_paged, "_page_block_mask", page_block_mask)
     return seen
 
 
@@ -172,6 +186,40 @@ def test_split_decode_lists_every_page_as_partial(case: Case, block_sparse: Seen
             split = (two.parts[z, qb, :int(two.n_part[z, qb])].tolist()
                      + two.fulls[z, qb, :int(two.n_full[z, qb])].tolist())
             assert listed == sorted(split)
+
+
+@pytest.mark.parametrize("case", PAGE_TABLE, ids=[c.id() for c in PAGE_TABLE])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_single_query_decode_lets_the_lists_alone_decide(
+        case: Case, splits: int, block_sparse: Seen, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the compiled kernel reads only the listed pages (CUDA), a batch of single
+    queries without a window carries a constant mask_mod (every listed page is whole
+    and before its query); the lists stay exact against the real visibility, and the
+    kernels' function over them, with NaN in every unowned slot, matches float64.
+    Other batches keep the exact mask_mod; off CUDA every batch does."""
+    from torch.nn.attention.flex_attention import noop_mask
+
+    seen: list[Any] = []
+    build_mask = flex_paged._page_block_mask
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        tables = build_mask(*args, **kwargs)
+        seen.append(tables)
+        return tables
+
+    monkeypatch.setattr(flex_paged, "_page_block_mask", spy)
+    b, out = _run(case, "page_table", block_sparse, {"SPLIT_KV": splits})
+    assert seen[-1].block_mask.mask_mod is not noop_mask, "off CUDA the mask stays exact"
+    monkeypatch.setattr(flex_paged, "lists_only", lambda device: True)
+    b, out = _run(case, "page_table", block_sparse, {"SPLIT_KV": splits})
+    constant = max(case.query_lens) == 1 and case.sliding_window is None
+    assert (seen[-1].block_mask.mask_mod is noop_mask) == constant
+    assert seen[-1].exact_mask is not noop_mask
+    assert block_sparse.calls[-1]["errors"] == []
+    assert b.kv_cache.isnan().any(), "the cache keeps its NaN poison"
+    assert not out.isnan().any()
+    err = rel_err(out, b.reference)
+    assert err <= TOLERANCE[case.dtype], f"relative error {err:.3g}"
 
 
 TAILS = [PAGE_TABLE[0], PAGE_TABLE[1]]

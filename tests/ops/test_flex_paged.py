@@ -393,16 +393,30 @@ def test_cuda_compiled_flex(case: Case, monkeypatch: pytest.MonkeyPatch) -> None
     from tests.ops.flex_block_sparse import block_list_errors, live_rows
     from vllm.attention.ops import flex_paged
 
+    from torch.nn.attention.flex_attention import noop_mask
+
     calls: list[list[str]] = []
     call_flex = flex_paged._call_flex
+    build_mask = flex_paged._page_block_mask
+    tables: list[Any] = []
 
-    def checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> object:
-        result = call_flex(q, k, v, **kw)  # type: ignore[arg-type]
-        calls.append(block_list_errors(kw["block_mask"], q_len=q.shape[2], kv_len=k.shape[2],
-                                       batch=q.shape[0], live_rows=live_rows(q, case.query_lens)))
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        tables.append(build_mask(*args, **kwargs))
+        return tables[-1]
+
+    def checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> object:
+        result = call_flex(q, k, v, **kw)
+        bm = kw["block_mask"]
+        # a single-query decode's block mask carries a constant mask_mod (the kernel
+        # reads only its lists): check the lists against the exact visibility
+        exact = next((t.exact_mask for t in tables if t.block_mask is bm), None)
+        calls.append(block_list_errors(bm, q_len=q.shape[2], kv_len=k.shape[2],
+                                       batch=q.shape[0], live_rows=live_rows(q, case.query_lens),
+                                       mask_mod=exact))
         return result
 
     monkeypatch.setattr(flex_paged, "_call_flex", checked)
+    monkeypatch.setattr(flex_paged, "_page_block_mask", spy)
     b = build(case, "cuda")
     out = b.new_output()
     flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
@@ -419,6 +433,9 @@ def test_cuda_compiled_flex(case: Case, monkeypatch: pytest.MonkeyPatch) -> None
         assert run.compiled, f"ran eagerly: {run}"
         assert run.mode == ("page_table" if max(case.query_lens) == 1 and not case.tree
                             else "gather")
+        if run.mode == "page_table":
+            constant = case.sliding_window is None
+            assert (tables[-1].block_mask.mask_mod is noop_mask) == constant
     else:  # a known gap: the eager fallback runs, says why, and is right (above)
         assert not run.compiled and known in (run.eager_reason or ""), run
 

@@ -531,6 +531,9 @@ class _PageTables:
     has_tail: bool
     block_mask: Any = None
     """The ``BlockMask`` over the cache's slots (set by :func:`_page_block_mask`)."""
+    exact_mask: MaskMod | None = None
+    """What each query sees, exactly (set with ``block_mask``, whose own ``mask_mod`` is
+    a constant for a single-query decode where :func:`lists_only`)."""
 
 
 def _entries(batch: PagedBatchLike) -> tuple[int, int]:
@@ -704,6 +707,14 @@ def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     return merged
 
 
+def lists_only(device: torch.device) -> bool:
+    """Whether page_table mode's compiled call on ``device`` reads only the listed pages
+    (Inductor's CUDA kernels), so a decode may use a constant ``mask_mod``. Elsewhere
+    (Dynamo without Inductor, flex's dense reference) the ``mask_mod`` alone decides what
+    each query sees and stays exact."""
+    return device.type == "cuda"
+
+
 def _page_block_mask(batch: PagedBatchLike, kv: PagedKV, *, causal: bool,
                      window: int | None, one_list: bool) -> _PageTables:
     from torch.nn.attention.flex_attention import BlockMask
@@ -711,7 +722,16 @@ def _page_block_mask(batch: PagedBatchLike, kv: PagedKV, *, causal: bool,
     bs = kv.block_size
     t = _page_tables(batch, kv.num_blocks, bs, causal=causal, window=window,
                      one_list=one_list)
-    mask_mod = _page_mask(t.p2l, t.q_ctx, t.whole, block_size=bs, causal=causal, window=window)
+    exact = _page_mask(t.p2l, t.q_ctx, t.whole, block_size=bs, causal=causal, window=window)
+    mask_mod = exact
+    if t.q_len == 1 and window is None and lists_only(kv.device):
+        # One query an entry, no window: every listed page is a whole page before the
+        # query (the partly written last one is attended apart), so each of its rows is
+        # visible, and the kernel reads nothing else. A constant mask spares it a
+        # dependent page-table load each page, which the one list (split decode)
+        # would otherwise pay on every page.
+        from torch.nn.attention.flex_attention import noop_mask
+        mask_mod = noop_mask
     block_mask = BlockMask.from_kv_blocks(
         t.n_part[:, None], t.parts[:, None],
         None if t.n_full is None else t.n_full[:, None],
@@ -719,7 +739,7 @@ def _page_block_mask(batch: PagedBatchLike, kv: PagedKV, *, causal: bool,
         BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod,
         seq_lengths=(t.q_len, kv.num_blocks * bs), compute_q_blocks=False)
     _mark_sizes_dynamic(block_mask)
-    return dataclasses.replace(t, block_mask=block_mask)
+    return dataclasses.replace(t, block_mask=block_mask, exact_mask=exact)
 
 
 def _run_page_table(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, *,
