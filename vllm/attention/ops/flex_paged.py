@@ -16,7 +16,9 @@ Two ways to present the pages to ``flex_attention`` (``mode``; ``"auto"`` picks)
   its written rows are gathered and attended in float32 torch, and the two parts are
   merged by their log-sum-exp. Inductor's decode kernel splits each request's pages
   over ``SPLIT_KV`` programs (:func:`decode_splits`); with more than one split every
-  page is listed as partial (see :func:`_run_page_table`). A cache whose block and
+  page is listed as partial (see :func:`_run_page_table`); a batch of single queries
+  without a window then carries a constant ``mask_mod`` on CUDA, where the kernel reads
+  only its lists (:func:`lists_only`). A cache whose block and
   token axes do not merge into one slot axis is not read this way (it would be copied
   whole each call): :func:`page_table_supported` says so and ``auto`` gathers.
 * ``"gather"`` (prefill, mixed batches, every layout and cache format): each
@@ -761,7 +763,8 @@ def _run_page_table(query: torch.Tensor, kv: PagedKV, batch: PagedBatchLike, *,
     # Inductor's decode kernel divides the partial list among its splits by the
     # request's pages, but the full list by the whole K/V length, here every slot of the
     # cache: a request's full pages would all fall to one split. With more than one
-    # split every page is listed as partial (the mask_mod evaluated on each).
+    # split every page is listed as partial (the mask_mod evaluated on each, unless
+    # _page_block_mask makes it a constant).
     one_list = decode and int(options["SPLIT_KV"]) > 1
     t: _PageTables = _per_batch(
         batch, ("page_table", kv.num_blocks, bs, causal, sliding_window, one_list),
