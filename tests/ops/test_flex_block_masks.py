@@ -47,12 +47,13 @@ class Seen:
     calls: list[dict[str, Any]] = field(default_factory=list)
     query_lens: tuple[int, ...] = ()
     """The batch's query counts (set before the call): which query rows are real."""
-    exact: list[tuple[Any, Any]] = field(default_factory=list)
-    """page_table mode's block masks and the exact visibility of each (the block mask's
-    own ``mask_mod`` may be a constant: a single-query decode where ``lists_only``)."""
+    tables: list[Any] = field(default_factory=list)
+    """page_table mode's ``_PageTables``, per block mask built."""
 
     def exact_mask(self, block_mask: Any) -> Any:
-        return next((m for bm, m in self.exact if bm is block_mask), None)
+        """The exact visibility of ``block_mask`` (page_table mode: its own ``mask_mod``
+        may be a constant, a single-query decode where ``lists_only``); None: its own."""
+        return next((t.exact_mask for t in self.tables if t.block_mask is block_mask), None)
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def block_sparse(monkeypatch: pytest.MonkeyPatch) -> Seen:
 
     def page_block_mask(*args: Any, **kwargs: Any) -> Any:
         tables = build_mask(*args, **kwargs)
-        seen.exact.append((tables.block_mask, tables.exact_mask))
+        seen.tables.append(tables)
         return tables
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: Any,
@@ -157,24 +158,14 @@ def test_split_decode_lists_every_page_as_partial(case: Case, block_sparse: Seen
     against the mask_mod and float64; one split keeps the full lists, and so does a
     batch Inductor runs its forward kernel for (128 queries or more)."""
     decode_kernel = max(case.query_lens) < 128 and case.group & (case.group - 1) == 0
-    seen: list[Any] = []
-    build_mask = flex_paged._page_block_mask
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        tables = build_mask(*args, **kwargs)
-        seen.append(tables)
-        return tables
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(flex_paged, "_page_block_mask", spy)
-        b, out = _run(case, "page_table", block_sparse, {"SPLIT_KV": 4})
-        one = seen[-1]
-        assert (one.n_full is None) == decode_kernel
-        assert (one.block_mask.full_kv_num_blocks is None) == decode_kernel
-        assert block_sparse.calls[-1]["errors"] == []
-        assert rel_err(out, b.reference) <= TOLERANCE[case.dtype]
-        _run(case, "page_table", block_sparse, {"SPLIT_KV": 1})
-        two = seen[-1]
+    b, out = _run(case, "page_table", block_sparse, {"SPLIT_KV": 4})
+    one = block_sparse.tables[-1]
+    assert (one.n_full is None) == decode_kernel
+    assert (one.block_mask.full_kv_num_blocks is None) == decode_kernel
+    assert block_sparse.calls[-1]["errors"] == []
+    assert rel_err(out, b.reference) <= TOLERANCE[case.dtype]
+    _run(case, "page_table", block_sparse, {"SPLIT_KV": 1})
+    two = block_sparse.tables[-1]
     assert two.block_mask.full_kv_num_blocks is not None
     assert block_sparse.calls[-1]["errors"] == []
     # the same pages either way
@@ -199,15 +190,7 @@ def test_single_query_decode_lets_the_lists_alone_decide(
     Other batches keep the exact mask_mod; off CUDA every batch does."""
     from torch.nn.attention.flex_attention import noop_mask
 
-    seen: list[Any] = []
-    build_mask = flex_paged._page_block_mask
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        tables = build_mask(*args, **kwargs)
-        seen.append(tables)
-        return tables
-
-    monkeypatch.setattr(flex_paged, "_page_block_mask", spy)
+    seen = block_sparse.tables
     b, out = _run(case, "page_table", block_sparse, {"SPLIT_KV": splits})
     assert seen[-1].block_mask.mask_mod is not noop_mask, "off CUDA the mask stays exact"
     monkeypatch.setattr(flex_paged, "lists_only", lambda device: True)
