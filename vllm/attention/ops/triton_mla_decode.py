@@ -152,8 +152,8 @@ def _device_facts(device: torch.device) -> tuple[int, GPU | None]:
 
 
 def _nvidia(gpu: GPU | None) -> tuple[int, int] | None:
-    """The compute capability of an NVIDIA GPU, else None."""
-    return gpu.capability if gpu is not None and gpu.vendor == "nvidia" else None
+    """The compute capability of an NVIDIA GPU, else None (none under the interpreter)."""
+    return None if gpu is None else gpu.nvidia_capability
 
 
 def _programs_per_sm(block_h: int, block_n: int, cfg: MLADecodeConfig) -> int:

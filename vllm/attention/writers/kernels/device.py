@@ -36,6 +36,11 @@ class GPU:
     """What torch reports: NVIDIA's compute capability; on ROCm the architecture's
     major and minor (gfx942, MI300: 9.4), which is no NVIDIA capability."""
 
+    @property
+    def nvidia_capability(self) -> tuple[int, int] | None:
+        """The compute capability on an NVIDIA GPU, else None."""
+        return self.capability if self.vendor == "nvidia" else None
+
 
 def gpu_of(device: torch.device) -> GPU | None:
     """The GPU of ``device`` (the current one for a bare ``cuda``), or None where the
@@ -52,7 +57,7 @@ def nvidia_capability(device: torch.device) -> tuple[int, int] | None:
     """``device``'s compute capability on an NVIDIA GPU, else None: the one question
     every NVIDIA-only path starts from (here and in the attention ops' launch choices)."""
     gpu = gpu_of(device)
-    return gpu.capability if gpu is not None and gpu.vendor == "nvidia" else None
+    return None if gpu is None else gpu.nvidia_capability
 
 
 @functools.cache
