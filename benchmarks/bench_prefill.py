@@ -217,7 +217,7 @@ def baselines(shape: Shape, args: argparse.Namespace, device: torch.device
 
 @contextlib.contextmanager
 def _layer_for(name: str, shape: Shape, args: argparse.Namespace, device: torch.device
-               ) -> Iterator[tuple[Attention, Any, torch.Tensor]]:
+               ) -> Iterator[tuple[Attention, Any, torch.Tensor, Any]]:
     backend = get_backend(name)
     d, h = args.head_size, args.kv_heads
     layer = Attention(num_heads=args.heads, num_kv_heads=h, head_size=d, scale=d ** -0.5,
