@@ -267,6 +267,34 @@ def test_eager_warning_is_silenced_only_inside_the_op() -> None:
     assert not [w for w in seen if "flex_attention" in str(w.message)]
 
 
+def test_compile_limits_hold_inside_the_call_only() -> None:
+    """A compiled call runs with Dynamo's recompile limit at least RECOMPILE_LIMIT (a
+    higher one of the user's kept) and failing at the limit (so the op falls back
+    and says why); the user's settings come back after, an error included."""
+    import torch._dynamo.config as dynamo_config
+
+    from vllm.attention.ops import flex_paged
+
+    names = ("recompile_limit", "fail_on_recompile_limit_hit")
+    user = {n: getattr(dynamo_config, n) for n in names}
+    try:
+        for limit in (1, flex_paged.RECOMPILE_LIMIT + 7):
+            dynamo_config.recompile_limit = limit
+            dynamo_config.fail_on_recompile_limit_hit = False
+            with flex_paged._compile_limits(False):
+                assert (dynamo_config.recompile_limit, dynamo_config.fail_on_recompile_limit_hit) \
+                    == (limit, False)
+            with pytest.raises(KeyError), flex_paged._compile_limits(True):
+                assert dynamo_config.recompile_limit == max(limit, flex_paged.RECOMPILE_LIMIT)
+                assert dynamo_config.fail_on_recompile_limit_hit is True
+                raise KeyError("inside")
+            assert (dynamo_config.recompile_limit, dynamo_config.fail_on_recompile_limit_hit) \
+                == (limit, False)
+    finally:
+        for n, v in user.items():
+            setattr(dynamo_config, n, v)
+
+
 @pytest.mark.usefixtures("dynamo_only")
 @pytest.mark.parametrize("mode", ["gather", "page_table"])
 def test_flex_cross_attention(mode: str) -> None:

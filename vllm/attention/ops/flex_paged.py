@@ -47,7 +47,7 @@ import functools
 import math
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -185,15 +185,33 @@ def _compile_limits(compiled: bool) -> contextlib.AbstractContextManager[Any]:
     to the gathered eager path and says so."""
     if not compiled:
         return contextlib.nullcontext()
+    return _dynamo_settings(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
+
+
+@contextlib.contextmanager
+def _dynamo_settings(*, recompile_limit: int, fail_on_recompile_limit_hit: bool
+                     ) -> Iterator[None]:
+    """Dynamo's recompile limit at least ``recompile_limit`` and its failure switch set,
+    inside the block only (the settings this torch has; the others are skipped). Set
+    and restored by hand: ``dynamo_config.patch`` costs about 45 us a call in its
+    bookkeeping, paid by every layer of every step (attention runs eagerly between
+    the runner's graph replays)."""
     import torch._dynamo.config as dynamo_config
 
-    wanted: dict[str, Any] = {
-        "recompile_limit": max(RECOMPILE_LIMIT, dynamo_config.recompile_limit),
-        "fail_on_recompile_limit_hit": True,
-    }
-    patch: contextlib.AbstractContextManager[Any] = dynamo_config.patch(
-        {k: v for k, v in wanted.items() if hasattr(dynamo_config, k)})
-    return patch
+    saved: dict[str, Any] = {}
+    limit = getattr(dynamo_config, "recompile_limit", None)
+    if limit is not None and limit < recompile_limit:
+        saved["recompile_limit"] = limit
+        dynamo_config.recompile_limit = recompile_limit
+    fail = getattr(dynamo_config, "fail_on_recompile_limit_hit", None)
+    if fail is not None and fail != fail_on_recompile_limit_hit:
+        saved["fail_on_recompile_limit_hit"] = fail
+        dynamo_config.fail_on_recompile_limit_hit = fail_on_recompile_limit_hit
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(dynamo_config, name, value)
 
 
 def _tensor(x: object) -> torch.Tensor:
