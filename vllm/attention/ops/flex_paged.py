@@ -225,9 +225,15 @@ def _slots(op: PagedOperand) -> torch.Tensor | None:
     token axes do not merge into one slot axis: a cache not in its layout's physical
     order, which ``flatten`` would copy whole on every call)."""
     x = op.data
-    if x.dim() != 4 or (x.shape[0] > 1 and x.stride(0) != x.shape[1] * x.stride(1)):
+    if not _slot_axis_merges(x):
         return None
     return x.flatten(0, 1).transpose(0, 1).unsqueeze(0)
+
+
+def _slot_axis_merges(x: torch.Tensor) -> bool:
+    """Whether ``[nb, bs, H, D]`` ``x``'s block and token axes merge into one slot axis
+    without a copy (what :func:`_slots` needs, asked without building the view)."""
+    return x.dim() == 4 and (x.shape[0] <= 1 or x.stride(0) == x.shape[1] * x.stride(1))
 
 
 def page_table_supported(kv: PagedKV, query_dtype: torch.dtype) -> str | None:
@@ -240,7 +246,7 @@ def page_table_supported(kv: PagedKV, query_dtype: torch.dtype) -> str | None:
     if kv.key.data.dtype != query_dtype:
         return f"cache dtype {kv.key.data.dtype} differs from the query's {query_dtype}"
     for name, op in (("key", kv.key), ("value", kv.value)):
-        if _slots(op) is None:
+        if not _slot_axis_merges(op.data):
             return (f"the cache's {name} blocks (shape {tuple(op.data.shape)}, strides "
                     f"{op.data.stride()}) do not merge into one slot axis: a cache not in "
                     f"{kv.layout.value}'s physical order (allocate_kv_cache makes it) "
