@@ -267,32 +267,69 @@ def test_eager_warning_is_silenced_only_inside_the_op() -> None:
     assert not [w for w in seen if "flex_attention" in str(w.message)]
 
 
+def _stance() -> str:
+    from torch._dynamo import eval_frame
+
+    return str(eval_frame._stance.stance)
+
+
 def test_compile_limits_hold_inside_the_call_only() -> None:
-    """A compiled call runs with Dynamo's recompile limit at least RECOMPILE_LIMIT (a
-    higher one of the user's kept) and failing at the limit (so the op falls back
-    and says why); the user's settings come back after, an error included."""
+    """A compiled call runs Inductor or raises: Dynamo's recompile limit at least
+    RECOMPILE_LIMIT (a higher one of the user's kept), failing at the limit, errors not
+    suppressed, the default compiler stance (a user's eager stance would run page_table
+    mode densely over the whole cache, where a decode's mask_mod may be a constant);
+    the user's settings come back after, an error included."""
     import torch._dynamo.config as dynamo_config
 
     from vllm.attention.ops import flex_paged
 
-    names = ("recompile_limit", "fail_on_recompile_limit_hit")
+    names = ("recompile_limit", "fail_on_recompile_limit_hit", "suppress_errors")
     user = {n: getattr(dynamo_config, n) for n in names}
     try:
         for limit in (1, flex_paged.RECOMPILE_LIMIT + 7):
             dynamo_config.recompile_limit = limit
             dynamo_config.fail_on_recompile_limit_hit = False
-            with flex_paged._compile_limits(False):
-                assert (dynamo_config.recompile_limit, dynamo_config.fail_on_recompile_limit_hit) \
-                    == (limit, False)
-            with pytest.raises(KeyError), flex_paged._compile_limits(True):
-                assert dynamo_config.recompile_limit == max(limit, flex_paged.RECOMPILE_LIMIT)
-                assert dynamo_config.fail_on_recompile_limit_hit is True
-                raise KeyError("inside")
-            assert (dynamo_config.recompile_limit, dynamo_config.fail_on_recompile_limit_hit) \
-                == (limit, False)
+            dynamo_config.suppress_errors = True
+            settings = lambda: tuple(getattr(dynamo_config, n) for n in names)  # noqa: E731
+            with torch.compiler.set_stance("force_eager"):
+                with flex_paged._compile_limits(False):
+                    assert settings() == (limit, False, True)
+                    assert _stance() == "force_eager"
+                with pytest.raises(KeyError), flex_paged._compile_limits(True):
+                    assert settings() == (max(limit, flex_paged.RECOMPILE_LIMIT), True, False)
+                    assert _stance() == "default"
+                    raise KeyError("inside")
+                assert settings() == (limit, False, True)
+                assert _stance() == "force_eager"
     finally:
         for n, v in user.items():
             setattr(dynamo_config, n, v)
+
+
+def test_a_compiled_call_ignores_an_eager_stance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a user's ``force_eager`` stance the op's compiled flex call still runs in
+    the default stance (and the result is right)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from vllm.attention.ops import flex_paged
+
+    stances: list[str] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        stances.append(_stance())
+        kwargs.pop("kernel_options", None)
+        return flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(flex_paged, "_compiled_flex", lambda: recording)
+    case = Case(L.SPLIT_BLOCK_INTERLEAVED, query_lens=(1, 1, 1), context_lens=(20, 35, 11))
+    b = build(case)
+    _poison_finite(b)
+    out = b.new_output()
+    with torch.compiler.set_stance("force_eager"):
+        flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
+                             mode="page_table", compiled=True)
+    assert stances == ["default"]
+    assert rel_err(out, b.reference) <= TOLERANCE[case.dtype]
 
 
 @pytest.mark.usefixtures("dynamo_only")

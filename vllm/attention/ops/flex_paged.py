@@ -180,22 +180,26 @@ layer options and per size specialisation; a model needs a handful)."""
 
 
 def _compile_limits(compiled: bool) -> contextlib.AbstractContextManager[Any]:
-    """Past its recompile limit Dynamo would run ``flex_attention`` eagerly without a
-    word (over the whole cache, in page_table mode): raise instead, so the op falls back
-    to the gathered eager path and says so."""
+    """A compiled call either runs Inductor's kernels or raises, so the op falls back to
+    the gathered eager path and says why. Dynamo would otherwise run ``flex_attention``
+    eagerly without a word past its recompile limit, on a backend error under a
+    process-wide ``suppress_errors``, or under an eager ``torch.compiler`` stance: over
+    the whole cache in page_table mode, where a single-query decode's ``mask_mod`` is a
+    constant that only Inductor's kernels (which read only the listed pages) may take.
+    ``compiled=False`` is how a caller asks for eager flex."""
     if not compiled:
         return contextlib.nullcontext()
-    return _dynamo_settings(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True)
+    return _dynamo_settings(recompile_limit=RECOMPILE_LIMIT)
 
 
 @contextlib.contextmanager
-def _dynamo_settings(*, recompile_limit: int, fail_on_recompile_limit_hit: bool
-                     ) -> Iterator[None]:
-    """Dynamo's recompile limit at least ``recompile_limit`` and its failure switch set,
-    inside the block only (the settings this torch has; the others are skipped). Set
-    and restored by hand: ``dynamo_config.patch`` costs about 45 us a call in its
-    bookkeeping, paid by every layer of every step (attention runs eagerly between
-    the runner's graph replays)."""
+def _dynamo_settings(*, recompile_limit: int) -> Iterator[None]:
+    """Inside the block only: Dynamo's recompile limit at least ``recompile_limit``,
+    failing at the limit, errors not suppressed, the default ``torch.compiler`` stance
+    (the settings this torch has; the others are skipped). The settings are set and
+    restored by hand: ``dynamo_config.patch`` costs about 45 us a call in its
+    bookkeeping, paid by every layer of every step (attention runs eagerly between the
+    runner's graph replays)."""
     import torch._dynamo.config as dynamo_config
 
     saved: dict[str, Any] = {}
@@ -203,12 +207,15 @@ def _dynamo_settings(*, recompile_limit: int, fail_on_recompile_limit_hit: bool
     if limit is not None and limit < recompile_limit:
         saved["recompile_limit"] = limit
         dynamo_config.recompile_limit = recompile_limit
-    fail = getattr(dynamo_config, "fail_on_recompile_limit_hit", None)
-    if fail is not None and fail != fail_on_recompile_limit_hit:
-        saved["fail_on_recompile_limit_hit"] = fail
-        dynamo_config.fail_on_recompile_limit_hit = fail_on_recompile_limit_hit
+    for name, wanted in (("fail_on_recompile_limit_hit", True), ("suppress_errors", False)):
+        value = getattr(dynamo_config, name, None)
+        if value is not None and value != wanted:
+            saved[name] = value
+            setattr(dynamo_config, name, wanted)
+    stance = getattr(torch.compiler, "set_stance", None)
     try:
-        yield
+        with stance("default") if stance is not None else contextlib.nullcontext():
+            yield
     finally:
         for name, value in saved.items():
             setattr(dynamo_config, name, value)
