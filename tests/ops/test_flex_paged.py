@@ -306,6 +306,33 @@ def test_compile_limits_hold_inside_the_call_only() -> None:
             setattr(dynamo_config, n, v)
 
 
+def test_without_dynamo_the_op_gathers_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TORCHDYNAMO_DISABLE=1 torch.compile hands back flex_attention itself, which
+    would score every slot of the cache in page_table mode; the op gathers instead,
+    eagerly, says why, and is right. An explicit page_table mode is refused, naming the
+    cause."""
+    from vllm.attention.ops import flex_paged
+
+    called: list[bool] = []
+    monkeypatch.setattr(flex_paged, "_compiled_flex", lambda: called.append(True))
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    case = Case(L.SPLIT_BLOCK_INTERLEAVED, query_lens=(1, 1, 1), context_lens=(20, 35, 11))
+    b = build(case)
+    out = b.new_output()
+    flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
+                         compiled=True)
+    run = flex_paged.last_run
+    assert run is not None and (run.mode, run.compiled) == ("gather", False)
+    assert "TORCHDYNAMO_DISABLE=1" in (run.eager_reason or "")
+    assert called == [], "the compiled flex was not asked for"
+    assert rel_err(out, b.reference) <= TOLERANCE[case.dtype]
+    with pytest.raises(InvalidArgumentError, match="TORCHDYNAMO_DISABLE=1"):
+        flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale,
+                             output=b.new_output(), mode="page_table", compiled=True)
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE")
+    assert flex_paged.dynamo_skips() is None
+
+
 def test_a_compiled_call_ignores_an_eager_stance(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a user's ``force_eager`` stance the op's compiled flex call still runs in
     the default stance (and the result is right)."""

@@ -221,6 +221,22 @@ def _dynamo_settings(*, recompile_limit: int) -> Iterator[None]:
             setattr(dynamo_config, name, value)
 
 
+def dynamo_skips() -> str | None:
+    """Why a compiled call would run eagerly here without a word (None: it compiles):
+    with ``TORCHDYNAMO_DISABLE=1`` ``torch.compile`` returns the function itself, and
+    eager flex would score every slot of the cache in page_table mode (where a
+    single-query decode's ``mask_mod`` is a constant only Inductor's kernels may take).
+    The op gathers instead, eagerly, and says why. :func:`_compile_limits` covers the
+    other silent ways to eager (the recompile limit, suppressed errors, an eager
+    stance); with ``torch._dynamo.config.disable`` or under a dispatch mode, flex
+    itself raises (torch 2.13 traces it with Dynamo even eagerly)."""
+    import os
+
+    if os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":
+        return "TORCHDYNAMO_DISABLE=1 (torch.compile returns the function uncompiled)"
+    return None
+
+
 def _tensor(x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"flex_attention returned {type(x).__name__}, expected a Tensor")
@@ -904,6 +920,12 @@ def flex_paged_attention(
     num_tokens = check_paged_args(query, kv, batch, output, sliding_window=sliding_window,
                                   logits_soft_cap=logits_soft_cap, tree_mask=tree_mask)
     use_compile = kv.device.type == "cuda" if compiled is None else compiled
+    skipped = dynamo_skips() if use_compile else None
+    if skipped is not None:  # Dynamo would run the "compiled" call eagerly: say so, gather
+        if mode == "page_table":
+            raise InvalidArgumentError("mode", mode, "'gather' or 'auto' here: page_table "
+                                       f"mode needs the compiled kernel, and {skipped}")
+        use_compile = False
     chosen = choose_mode(kv, batch, query.dtype, compiled=use_compile,
                          tree=tree_mask is not None, mode=mode)
     if num_tokens == 0:
@@ -921,7 +943,7 @@ def flex_paged_attention(
                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                             tree=tree_mask is not None, kernel_options=kernel_options)
 
-    reason: str | None = None
+    reason: str | None = skipped
     if chosen == "page_table":
         if not use_compile:
             raise InvalidArgumentError("compiled", compiled,
@@ -973,6 +995,7 @@ __all__ = [
     "choose_mode",
     "compiled_note",
     "decode_splits",
+    "dynamo_skips",
     "flex_paged_attention",
     "gather_tokens",
     "page_table_supported",
