@@ -212,13 +212,30 @@ def _dynamo_settings(*, recompile_limit: int) -> Iterator[None]:
         if value is not None and value != wanted:
             saved[name] = value
             setattr(dynamo_config, name, wanted)
-    stance = getattr(torch.compiler, "set_stance", None)
     try:
-        with stance("default") if stance is not None else contextlib.nullcontext():
+        with _default_stance():
             yield
     finally:
         for name, value in saved.items():
             setattr(dynamo_config, name, value)
+
+
+def _default_stance() -> contextlib.AbstractContextManager[Any]:
+    """The default ``torch.compiler`` stance inside the block, set only when another
+    one is in force (the common case costs nothing, and ``set_stance`` may not be
+    called inside a compiled region)."""
+    from torch._dynamo import eval_frame
+
+    current = getattr(eval_frame, "_stance", None)
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if current is None or set_stance is None:
+        return contextlib.nullcontext()
+    if (getattr(current, "stance", "default") == "default"
+            and not getattr(current, "skip_guard_eval_unsafe", False)
+            and getattr(current, "backend", None) is None):
+        return contextlib.nullcontext()
+    manager: contextlib.AbstractContextManager[Any] = set_stance("default")
+    return manager
 
 
 def dynamo_skips() -> str | None:
