@@ -101,11 +101,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
-
-
 @functools.cache  # called on every decode launch, with few distinct arguments
 def split_heuristic(*, programs: int, num_sms: int, max_splits: int) -> int:
     """Fewest splits whose last wave of programs is nearly full.
@@ -159,7 +154,9 @@ def choose_config(
         num_splits = 1
         if decode and max_seq_len >= 2 * MIN_SPLIT_TOKENS:
             device = kv.device
-            sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+            from vllm.attention.writers.kernels.device import multiprocessors
+
+            sms = multiprocessors(device) if device.type == "cuda" else 132
             num_splits = split_heuristic(
                 programs=max(1, num_reqs * kv.num_kv_heads), num_sms=sms,
                 max_splits=min(MAX_SPLITS, max_seq_len // MIN_SPLIT_TOKENS),
