@@ -15,7 +15,8 @@ version, the forward kernel before 2.13).
 
 :func:`block_sparse_attention` computes exactly that in float64, and
 :func:`block_list_errors` checks a ``BlockMask`` against its own ``mask_mod`` at block
-granularity.
+granularity (or the exact visibility :class:`PageTablesSeen` recorded, where a
+page_table decode's block mask carries a constant one).
 """
 
 from __future__ import annotations
@@ -29,6 +30,28 @@ import torch
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                     torch.Tensor]
+
+
+class PageTablesSeen:
+    """``flex_paged``'s page_table mode tables (``_PageTables``), recorded as built,
+    with the exact visibility of each block mask (its own ``mask_mod`` may be a
+    constant: a single-query decode where ``lists_only``)."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        from vllm.attention.ops import flex_paged
+
+        self.tables: list[Any] = []
+        build = flex_paged._page_block_mask
+
+        def record(*args: Any, **kwargs: Any) -> Any:
+            self.tables.append(build(*args, **kwargs))
+            return self.tables[-1]
+
+        monkeypatch.setattr(flex_paged, "_page_block_mask", record)
+
+    def exact_mask(self, block_mask: Any) -> Any:
+        """``block_mask``'s exact visibility (None: not a page_table mask; its own)."""
+        return next((t.exact_mask for t in self.tables if t.block_mask is block_mask), None)
 
 
 @dataclass(frozen=True)

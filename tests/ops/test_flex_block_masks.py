@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.ops.flex_block_sparse import (
+    PageTablesSeen,
     block_list_errors,
     block_sparse_attention,
     live_rows,
@@ -47,27 +48,21 @@ class Seen:
     calls: list[dict[str, Any]] = field(default_factory=list)
     query_lens: tuple[int, ...] = ()
     """The batch's query counts (set before the call): which query rows are real."""
-    tables: list[Any] = field(default_factory=list)
-    """page_table mode's ``_PageTables``, per block mask built."""
+    pages: PageTablesSeen | None = None
+    """page_table mode's tables as built."""
 
-    def exact_mask(self, block_mask: Any) -> Any:
-        """The exact visibility of ``block_mask`` (page_table mode: its own ``mask_mod``
-        may be a constant, a single-query decode where ``lists_only``); None: its own."""
-        return next((t.exact_mask for t in self.tables if t.block_mask is block_mask), None)
+    @property
+    def tables(self) -> list[Any]:
+        return [] if self.pages is None else self.pages.tables
 
 
 @pytest.fixture
 def block_sparse(monkeypatch: pytest.MonkeyPatch) -> Seen:
     """The compiled ``flex_attention`` call replaced by the block-sparse stand-in; the
     eager call (``compiled=False``) left alone."""
-    seen = Seen()
+    pages = PageTablesSeen(monkeypatch)
+    seen = Seen(pages=pages)
     eager = flex_paged._call_flex
-    build_mask = flex_paged._page_block_mask
-
-    def page_block_mask(*args: Any, **kwargs: Any) -> Any:
-        tables = build_mask(*args, **kwargs)
-        seen.tables.append(tables)
-        return tables
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: Any,
              score_mod: Any, scale: float, compiled: bool, lse: bool,
@@ -77,7 +72,7 @@ def block_sparse(monkeypatch: pytest.MonkeyPatch) -> Seen:
                          compiled=False, lse=lse, kernel_options=kernel_options)
         errors = block_list_errors(block_mask, q_len=q.shape[2], kv_len=k.shape[2],
                                    batch=q.shape[0], live_rows=live_rows(q, seen.query_lens),
-                                   mask_mod=seen.exact_mask(block_mask))
+                                   mask_mod=pages.exact_mask(block_mask))
         out, out_lse = block_sparse_attention(q, k, v, block_mask, scale=scale,
                                               score_mod=score_mod)
         seen.calls.append(dict(errors=errors, block=block_mask.BLOCK_SIZE,
@@ -85,7 +80,6 @@ def block_sparse(monkeypatch: pytest.MonkeyPatch) -> Seen:
         return out.to(q.dtype), (out_lse.float() if lse else None)
 
     monkeypatch.setattr(flex_paged, "_call_flex", call)
-    monkeypatch.setattr(flex_paged, "_page_block_mask", page_block_mask)
     return seen
 
 

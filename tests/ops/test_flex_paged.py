@@ -285,12 +285,15 @@ def test_compile_limits_hold_inside_the_call_only() -> None:
 
     names = ("recompile_limit", "fail_on_recompile_limit_hit", "suppress_errors")
     user = {n: getattr(dynamo_config, n) for n in names}
+
+    def settings() -> tuple[Any, ...]:
+        return tuple(getattr(dynamo_config, n) for n in names)
+
     try:
         for limit in (1, flex_paged.RECOMPILE_LIMIT + 7):
             dynamo_config.recompile_limit = limit
             dynamo_config.fail_on_recompile_limit_hit = False
             dynamo_config.suppress_errors = True
-            settings = lambda: tuple(getattr(dynamo_config, n) for n in names)  # noqa: E731
             with torch.compiler.set_stance("force_eager"):
                 with flex_paged._compile_limits(False):
                     assert settings() == (limit, False, True)
@@ -482,33 +485,27 @@ def test_cuda_compiled_flex(case: Case, monkeypatch: pytest.MonkeyPatch) -> None
     must never list a partly written page): the output against float64, and the block
     lists the compiled call was given against their mask_mod (as Inductor reads them:
     tests/ops/flex_block_sparse.py)."""
-    from tests.ops.flex_block_sparse import block_list_errors, live_rows
-    from vllm.attention.ops import flex_paged
-
     from torch.nn.attention.flex_attention import noop_mask
+
+    from tests.ops.flex_block_sparse import PageTablesSeen, block_list_errors, live_rows
+    from vllm.attention.ops import flex_paged
 
     calls: list[list[str]] = []
     call_flex = flex_paged._call_flex
-    build_mask = flex_paged._page_block_mask
-    tables: list[Any] = []
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        tables.append(build_mask(*args, **kwargs))
-        return tables[-1]
+    pages = PageTablesSeen(monkeypatch)
+    tables = pages.tables
 
     def checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> object:
         result = call_flex(q, k, v, **kw)
         bm = kw["block_mask"]
         # a single-query decode's block mask carries a constant mask_mod (the kernel
         # reads only its lists): check the lists against the exact visibility
-        exact = next((t.exact_mask for t in tables if t.block_mask is bm), None)
         calls.append(block_list_errors(bm, q_len=q.shape[2], kv_len=k.shape[2],
                                        batch=q.shape[0], live_rows=live_rows(q, case.query_lens),
-                                       mask_mod=exact))
+                                       mask_mod=pages.exact_mask(bm)))
         return result
 
     monkeypatch.setattr(flex_paged, "_call_flex", checked)
-    monkeypatch.setattr(flex_paged, "_page_block_mask", spy)
     b = build(case, "cuda")
     out = b.new_output()
     flex_paged_attention(b.query, b.kv, b.batch.common, scale=case.scale, output=out,
