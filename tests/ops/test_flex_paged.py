@@ -475,6 +475,12 @@ GPU_CASES = [
          query_lens=(1024,) * 3, context_lens=(0,) * 3, seed=2),
     Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.bfloat16, num_kv_heads=8, group=4, head_size=128,
          query_lens=(512, 700), context_lens=(1024, 300), seed=3),
+    # a group that is not a power of two (Inductor's decode kernel wants one: these run
+    # its forward kernel over the page table)
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.bfloat16, num_kv_heads=2, group=3, head_size=64,
+         query_lens=(1,) * 5, context_lens=(1000, 17, 64, 1, 333), seed=4),
+    Case(L.SPLIT_BLOCK_INTERLEAVED, dtype=torch.float16, num_kv_heads=2, group=3, head_size=64,
+         query_lens=(200, 1, 31), context_lens=(0, 400, 77), seed=5),
 ]
 
 
