@@ -125,3 +125,19 @@ def test_cli_backends_lists_all_eight_with_their_path() -> None:
     for name in MLA_NAMES:
         assert rows[name]["compute"] == "torch"
         assert rows[name]["here"].startswith("yes")
+
+
+@pytest.mark.parametrize("hip, major", [(None, 9), ("6.2", None)])
+def test_vendor_capability_is_nvidia_only(hip: str | None, major: int | None,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vendor MLA kernels ask one question, the device module's: an MI300 (ROCm
+    torch reports ``cuda`` and capability 9.4) is no sm_90."""
+    from vllm.attention.ops import mla_vendor
+    from vllm.attention.writers.kernels import device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(device, "_capability", lambda index: (9, 4 if hip else 0))
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert mla_vendor._cuda_major(torch.device("cuda")) == major
+    assert mla_vendor._cuda_major(torch.device("cpu")) is None

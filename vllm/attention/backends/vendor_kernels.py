@@ -33,6 +33,7 @@ from vllm.attention.backend import (
 from vllm.attention.layouts import diffkv_views, split_kv_views
 from vllm.attention.ops.paged_kv import PagedKV
 from vllm.attention.types import KVCacheDType, KVCacheLayout
+from vllm.attention.writers.kernels.device import gpu_of
 
 Platform = Literal["cuda", "rocm"]
 HALF: Final = frozenset({torch.float16, torch.bfloat16})
@@ -120,8 +121,9 @@ class VendorKernel(abc.ABC):
         if plat != self.platform:
             need = "ROCm" if self.platform == "rocm" else "CUDA"
             return f"device={plat}, {self.module.split('.')[0]} needs {need}"
-        if self.arch_majors is not None:
-            major, minor = torch.cuda.get_device_capability(device)
+        gpu = gpu_of(device)  # (not None: the platform is CUDA or ROCm)
+        if self.arch_majors is not None and gpu is not None:
+            major, minor = gpu.capability
             if major not in self.arch_majors:
                 allowed = ", ".join(f"sm{m}x" for m in sorted(self.arch_majors))
                 return f"compute capability {major}.{minor}, {self.name} runs on {allowed}"

@@ -28,6 +28,7 @@ import torch
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.paged_args import PagedBatchLike, check_paged_args
 from vllm.attention.ops.paged_kv import Dequant, PagedKV, PagedOperand
+from vllm.attention.writers.kernels.device import nvidia_capability
 
 _OP = "_flash_attention_forward"
 _OP_INPLACE = "_flash_attention_forward_no_dropout_inplace"
@@ -67,7 +68,9 @@ def _unavailable(device_type: str, index: int | None) -> str | None:
         return f"torch {torch.__version__} has no aten.{_OP}"
     if not torch.backends.cuda.is_flash_attention_available():
         return f"torch {torch.__version__} was built without flash attention"
-    major, minor = torch.cuda.get_device_capability(index)
+    dev = torch.device(device_type) if index is None else torch.device(device_type, index)
+    cap = nvidia_capability(dev)
+    major, minor = cap if cap is not None else (0, 0)  # (not ROCm: checked above)
     if major < 8:
         return f"compute capability {major}.{minor}, torch's flash kernel needs sm80+"
     return None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm.attention.types import KVCacheDType
+from vllm.attention.writers.kernels.device import nvidia_capability
 
 if TYPE_CHECKING:
     from vllm.attention.backends.mla.spec import MLALayerSpec
@@ -36,9 +37,11 @@ def _import(module: str) -> Any:
 
 
 def _cuda_major(device: torch.device) -> int | None:
-    if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
+    """The compute capability's major on an NVIDIA GPU, else None."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_capability(device)[0]
+    cap = nvidia_capability(device)
+    return None if cap is None else cap[0]
 
 
 def _is_rocm(device: torch.device) -> bool:
