@@ -33,7 +33,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm.attention.batch import make_paged_batch  # noqa: E402
-from vllm.attention.layouts import kv_cache_shape, kv_cache_stride_order  # noqa: E402
+from vllm.attention.layouts import (  # noqa: E402
+    empty_in_stride_order,
+    kv_cache_shape,
+    kv_cache_stride_order,
+)
 from vllm.attention.ops.paged_kv import PagedKV  # noqa: E402
 from vllm.attention.types import KVCacheLayout, KVQuant  # noqa: E402
 
@@ -79,10 +83,8 @@ def _time_us(fn: Callable[[], object], iters: int, warmup: int, device: torch.de
 def _allocate(layout: KVCacheLayout, nb: int, bs: int, h: int, d: int, dtype: torch.dtype,
               device: torch.device, g: torch.Generator) -> torch.Tensor:
     shape = kv_cache_shape(layout, nb, bs, h, d)
-    order = kv_cache_stride_order(layout)
-    physical = torch.randn([shape[i] for i in order], generator=g, device="cpu").to(dtype).to(device)
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    return physical.permute(*inverse)
+    cache = empty_in_stride_order(shape, kv_cache_stride_order(layout), dtype=dtype, device=device)
+    return cache.copy_(torch.randn(shape, generator=g, device="cpu").to(dtype))
 
 
 def _fa4() -> tuple[Callable[..., Any] | None, str]:
@@ -221,9 +223,8 @@ def _paged(layout: KVCacheLayout, cache_dtype: str, kv_first: torch.Tensor, nb: 
     quant = KVQuant(cache_dtype, torch.ones(1, device=device), torch.ones(1, device=device))  # type: ignore[arg-type]
     storage = dtype if cache_dtype == "auto" else torch.float8_e4m3fn
     shape = kv_cache_shape(layout, nb, bs, h, d)
-    order = kv_cache_stride_order(layout)
-    cache = torch.zeros([shape[i] for i in order], dtype=storage, device=device)
-    cache = cache.permute(*sorted(range(len(order)), key=order.__getitem__))
+    cache = empty_in_stride_order(shape, kv_cache_stride_order(layout), dtype=storage,
+                                  device=device).zero_()
     slots = torch.arange(nb * bs, device=device)
     k_rows = kv_first[0].reshape(nb * bs, h, d)
     v_rows = kv_first[1].reshape(nb * bs, h, d)

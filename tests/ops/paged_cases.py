@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from vllm.attention.batch import PagedBatch, make_paged_batch
-from vllm.attention.layouts import kv_cache_shape, kv_cache_stride_order
+from vllm.attention.layouts import empty_in_stride_order, kv_cache_shape, kv_cache_stride_order
 from vllm.attention.ops.paged_attention import attend_masked, tree_visibility
 from vllm.attention.ops.paged_kv import PagedKV
 from vllm.attention.ops.reference import attend
@@ -130,9 +130,7 @@ def _allocate(case: Case, num_blocks: int, device: torch.device) -> torch.Tensor
         storage = case.dtype
     else:
         storage = STORAGE[case.cache_dtype]
-    physical = torch.empty([shape[i] for i in order], dtype=storage, device=device)
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    cache = physical.permute(*inverse)
+    cache = empty_in_stride_order(shape, order, dtype=storage, device=device)
     # Poison: NaN in every float format (0xFF is NaN as fp8 E4M3 and as float32).
     if storage == torch.uint8:
         cache.fill_(0xFF)

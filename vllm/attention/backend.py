@@ -29,7 +29,7 @@ from typing import (
 import torch
 
 from vllm.attention.errors import InvalidArgumentError, UnsupportedBackendError
-from vllm.attention.layouts import kv_cache_shape, kv_cache_stride_order
+from vllm.attention.layouts import empty_in_stride_order, kv_cache_shape, kv_cache_stride_order
 from vllm.attention.types import (
     KV_CACHE_DTYPES,
     AttentionType,
@@ -699,12 +699,8 @@ def allocate_kv_cache(
     )
     parsed = backend.cache_dtype_spelling(parsed) or parsed
     shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, parsed)
-    order = backend.get_kv_cache_stride_order()
-    physical = torch.empty(
-        [shape[i] for i in order], dtype=cache_storage_dtype(parsed, model_dtype), device=dev
-    )
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    return physical.permute(*inverse)
+    return empty_in_stride_order(shape, backend.get_kv_cache_stride_order(),
+                                 dtype=cache_storage_dtype(parsed, model_dtype), device=dev)
 
 
 def num_blocks_for(tokens: int, block_size: int) -> int:

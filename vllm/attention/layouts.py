@@ -79,6 +79,16 @@ def kv_cache_stride_order(layout: KVCacheLayout) -> tuple[int, ...]:
     return tuple(range(ndim))
 
 
+def empty_in_stride_order(shape: tuple[int, ...], order: tuple[int, ...], *,
+                          dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """An uninitialised tensor of logical ``shape`` whose memory is laid out in
+    ``order`` (logical axes from the outermost physical axis inwards, as
+    :func:`kv_cache_stride_order` gives them): the physical tensor allocated dense and
+    its axes permuted back."""
+    physical = torch.empty([shape[i] for i in order], dtype=dtype, device=device)
+    return physical.permute(*sorted(range(len(order)), key=order.__getitem__))
+
+
 def split_kv_axis(layout: KVCacheLayout) -> int:
     """The logical axis that selects K (0) or V (1) in a split layout."""
     try:
