@@ -65,6 +65,17 @@ def host_us(fn: Callable[[], object], device: torch.device, *, calls: int = 1000
     return {"loop_us": statistics.median(loops), "with_sync_us": statistics.median(totals)}
 
 
+def timing_event() -> Any:
+    """A CUDA event that records time (torch's stubs leave ``torch.cuda.Event``
+    untyped)."""
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
+def gpu_sleep(cycles: int) -> None:
+    """``torch.cuda._sleep`` (untyped in torch's stubs): the GPU spins ``cycles``."""
+    torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+
+
 def event_us(fn: Callable[[], object], *, iters: int = 100, warmup: int = 10,
              rounds: int = 3, device: torch.device | None = None) -> float:
     """Device time per call of ``fn`` (CUDA events around ``iters`` calls), median of
@@ -81,8 +92,8 @@ def event_us(fn: Callable[[], object], *, iters: int = 100, warmup: int = 10,
         return statistics.median(out)
     torch.cuda.synchronize()
     for _ in range(rounds):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start = timing_event()
+        end = timing_event()
         start.record()
         for _ in range(iters):
             fn()
@@ -96,14 +107,14 @@ def event_us(fn: Callable[[], object], *, iters: int = 100, warmup: int = 10,
 def _sleep_cycles_per_us(device_index: int) -> float:
     """Cycles of ``torch.cuda._sleep`` per microsecond on this device (timed once)."""
     cycles = 2_000_000
-    torch.cuda._sleep(cycles)  # warm-up
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
+    gpu_sleep(cycles)  # warm-up
+    start = timing_event()
+    end = timing_event()
     start.record()
-    torch.cuda._sleep(cycles)
+    gpu_sleep(cycles)
     end.record()
     end.synchronize()
-    return cycles / max(start.elapsed_time(end) * 1e3, 1.0)
+    return cycles / max(float(start.elapsed_time(end)) * 1e3, 1.0)
 
 
 def queued_us(fn: Callable[[], object], *, iters: int = 20, warmup: int = 3,
@@ -128,10 +139,10 @@ def queued_us(fn: Callable[[], object], *, iters: int = 20, warmup: int = 3,
     dev_times, host_times = [], []
     for _ in range(rounds):
         torch.cuda.synchronize(device)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start = timing_event()
+        end = timing_event()
         budget_us = min(2e5, 2.0 * host * iters + 500.0)
-        torch.cuda._sleep(int(per_us * budget_us))
+        gpu_sleep(int(per_us * budget_us))
         start.record()
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -158,7 +169,7 @@ def kernel_us(fn: Callable[[], object], device: torch.device, *, calls: int = 5
         sync(device)
     totals: dict[str, float] = {}
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        if event.device_type == getattr(torch.autograd, "DeviceType").CUDA:
             totals[event.name] = totals.get(event.name, 0.0) + event.device_time
     return sorted(((name, us / calls) for name, us in totals.items()), key=lambda x: -x[1])
 

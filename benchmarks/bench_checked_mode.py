@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _timing import timing_event  # noqa: E402
 from vllm.attention import allocate_kv_cache, registry  # noqa: E402
 from vllm.attention.layer import Attention  # noqa: E402
 from vllm.attention.writers.validation import check_slots_in_range  # noqa: E402
@@ -43,14 +45,14 @@ def timer(device: torch.device) -> Callable[[Callable[[], None], int], float]:
     """Seconds per call of ``fn``, over ``n`` back-to-back calls."""
     def run(fn: Callable[[], None], n: int) -> float:
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = timing_event(), timing_event()
             torch.cuda.synchronize(device)
             start.record()
             for _ in range(n):
                 fn()
             end.record()
             torch.cuda.synchronize(device)
-            return start.elapsed_time(end) / 1e3 / n
+            return float(start.elapsed_time(end)) / 1e3 / n
         t0 = time.perf_counter()
         for _ in range(n):
             fn()

@@ -31,7 +31,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _timing import timing_event  # noqa: E402
 from vllm.attention.batch import make_paged_batch  # noqa: E402
 from vllm.attention.layouts import (  # noqa: E402
     empty_in_stride_order,
@@ -70,14 +72,14 @@ def _time_us(fn: Callable[[], object], iters: int, warmup: int, device: torch.de
             samples.append((time.perf_counter() - t) * 1e6)
         return statistics.median(samples)
     torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    starts = [timing_event() for _ in range(iters)]
+    ends = [timing_event() for _ in range(iters)]
     for s, e in zip(starts, ends):
         s.record()
         fn()
         e.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+    return statistics.median(float(s.elapsed_time(e)) * 1e3 for s, e in zip(starts, ends))
 
 
 def _allocate(layout: KVCacheLayout, nb: int, bs: int, h: int, d: int, dtype: torch.dtype,
@@ -89,7 +91,7 @@ def _allocate(layout: KVCacheLayout, nb: int, bs: int, h: int, d: int, dtype: to
 
 def _fa4() -> tuple[Callable[..., Any] | None, str]:
     try:
-        from flash_attn.cute import flash_attn_varlen_func  # type: ignore[import-not-found]
+        from flash_attn.cute import flash_attn_varlen_func
     except Exception as exc:  # not installed, or no cutlass DSL / unsupported GPU
         return None, f"flash_attn.cute not importable: {type(exc).__name__}: {exc}"
     return flash_attn_varlen_func, ""

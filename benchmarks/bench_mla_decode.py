@@ -66,13 +66,16 @@ L, R, P, V, PAGE = 512, 64, 128, 128, 64
 K_SCALE = 0.37
 
 
+def _sum_gbps(device: torch.device, gib: float) -> float:
+    x = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device).normal_()
+    us = event_us(lambda: x.sum(dtype=torch.float32), iters=10, warmup=2, device=device)
+    return x.numel() * 2 / (us * 1e-6) / 1e9
+
+
 def read_gbps(device: torch.device, gib: float = 2.0) -> dict[str, float]:
     """GB/s of a copy (read + written) and of a pure read (a sum) of ``gib`` GiB."""
     copy = copy_ceiling_gbps(device, gib)
-    x = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device).normal_()
-    us = event_us(lambda: x.sum(dtype=torch.float32), iters=10, warmup=2, device=device)
-    total = x.numel() * 2 / (us * 1e-6) / 1e9
-    del x
+    total = _sum_gbps(device, gib)  # (its tensor freed on return)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"copy_gbps": copy, "sum_gbps": total, "read_gbps": max(copy, total)}
@@ -114,7 +117,7 @@ class Step:
                                        device=device)
         self.layer.bind_kv_cache(self.cache, PAGE)
         n_ctx = int(self.batch.context_slots.numel())
-        bf = dict(dtype=torch.bfloat16, device=device)
+        bf: dict[str, Any] = dict(dtype=torch.bfloat16, device=device)
         self.layer.kv_cache_writer.write(torch.randn(n_ctx, L, **bf), torch.randn(n_ctx, R, **bf),
                                          self.cache, self.batch.context_slots,
                                          self.layer.kv_quant)

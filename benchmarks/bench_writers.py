@@ -29,6 +29,7 @@ import platform
 import sys
 import traceback
 from collections.abc import Callable
+from typing import Protocol, cast
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,6 +50,7 @@ from _timing import (  # noqa: E402
 from vllm.attention.layouts import (  # noqa: E402
     FP8_DS_MLA_ENTRY_BYTES,
     aiter_shuffled_views,
+    empty_in_stride_order,
     kv_cache_shape,
     kv_cache_stride_order,
     legacy_paged_views,
@@ -62,7 +64,14 @@ from vllm.attention.writers.kernels import (  # noqa: E402
     scatter_kv_launch,
     triton_importable,
 )
-from vllm.attention.types import KVCacheLayout, KVQuant, cache_storage_dtype  # noqa: E402
+from vllm.attention.types import (  # noqa: E402
+    KVCacheDType,
+    KVCacheLayout,
+    KVQuant,
+    cache_storage_dtype,
+)
+from vllm.attention.writer import KVCacheWriter, MLAKVCacheWriter  # noqa: E402
+from vllm.attention.writers.dispatch import WritePath  # noqa: E402
 from vllm.attention.writers import mla_writer_for_layout, writer_for_layout  # noqa: E402
 from vllm.attention.writers.split import scatter_mode  # noqa: E402
 
@@ -73,7 +82,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 @dataclass(frozen=True)
 class Config:
     layout: KVCacheLayout
-    cache_dtype: str
+    cache_dtype: KVCacheDType
 
     @property
     def name(self) -> str:
@@ -141,6 +150,19 @@ def _kernel_us(launch: Launch, args: argparse.Namespace, device: torch.device) -
     return event_us(launch.run, iters=args.iters, warmup=args.warmup, rounds=1, device=device)
 
 
+class _PathWriter(Protocol):
+    """A writer's ``write`` with the ``path`` every writer here takes beside the
+    protocol's arguments (``"triton"`` or ``"torch"``: the one to time)."""
+
+    def write(self, a: torch.Tensor, b: torch.Tensor, kv_cache: torch.Tensor,
+              slot_mapping: torch.Tensor, quant: KVQuant, *, path: WritePath | None = None
+              ) -> None: ...
+
+
+def _with_path(writer: KVCacheWriter | MLAKVCacheWriter) -> _PathWriter:
+    return cast(_PathWriter, writer)
+
+
 def _alloc_cache(cfg: Config, nb: int, bs: int, h: int, d: int, model: torch.dtype,
                  device: torch.device) -> torch.Tensor:
     width = 2 * d if cfg.layout is L.DIFFKV_PACKED else d
@@ -148,12 +170,12 @@ def _alloc_cache(cfg: Config, nb: int, bs: int, h: int, d: int, model: torch.dty
         shape = kv_cache_shape(cfg.layout, nb, bs, 1, width)
     else:
         shape = kv_cache_shape(cfg.layout, nb, bs, h, width)
-    order = kv_cache_stride_order(cfg.layout)
     storage = cache_storage_dtype(cfg.cache_dtype, model)
-    phys = torch.zeros([shape[i] for i in order], dtype=torch.uint8 if storage.itemsize == 1
-                       else storage, device=device)
-    inverse = [order.index(i) for i in range(len(order))]
-    return phys.view(storage).permute(*inverse)
+    cache = empty_in_stride_order(shape, kv_cache_stride_order(cfg.layout), dtype=storage,
+                                  device=device)
+    # (fp8 zeroed as bytes)
+    (cache.view(torch.uint8) if storage.itemsize == 1 else cache).zero_()
+    return cache
 
 
 def build(cfg: Config, n: int, args: argparse.Namespace, device: torch.device,
@@ -182,7 +204,7 @@ def build(cfg: Config, n: int, args: argparse.Namespace, device: torch.device,
     if cfg.mla:
         kv_c = torch.randn(n, args.kv_lora_rank, generator=gen).to(model).to(device)
         k_pe = torch.randn(n, args.rope_dim, generator=gen).to(model).to(device)
-        mla = mla_writer_for_layout(cfg.layout)
+        mla = _with_path(mla_writer_for_layout(cfg.layout))
         path = args.path
 
         def write_mla() -> None:
@@ -191,18 +213,18 @@ def build(cfg: Config, n: int, args: argparse.Namespace, device: torch.device,
         read = n * (args.kv_lora_rank + args.rope_dim) * elem_in + 8 * n
         if cfg.layout is L.MLA_FP8_DS:
             written = n * FP8_DS_MLA_ENTRY_BYTES
-            launch = fp8_ds_mla_launch(kv_c, k_pe, cache, slots)
+            mla_launch = fp8_ds_mla_launch(kv_c, k_pe, cache, slots)
         else:
             written = n * d * stored
             lat, rope = cache[..., :args.kv_lora_rank], cache[..., args.kv_lora_rank:]
-            launch = scatter_kv_launch(
+            mla_launch = scatter_kv_launch(
                 kv_c.unsqueeze(1), k_pe.unsqueeze(1), ScatterTarget.token_major(lat.unsqueeze(2)),
                 ScatterTarget.token_major(rope.unsqueeze(2)), slots,
                 scatter_mode(cfg.cache_dtype), scale, scale, same_scale=True)  # as the writer
-        return Setup(write_mla, launch, cache, read + written, (kv_c, k_pe, slots))
+        return Setup(write_mla, mla_launch, cache, read + written, (kv_c, k_pe, slots))
     key = torch.randn(n, h, d, generator=gen).to(model).to(device)
     value = torch.randn(n, h, d, generator=gen).to(model).to(device)
-    writer = writer_for_layout(cfg.layout)
+    writer = _with_path(writer_for_layout(cfg.layout))
     path = args.path
 
     def write_kv() -> None:
@@ -267,7 +289,8 @@ def _index_copy_rows(args: argparse.Namespace, device: torch.device, gen: torch.
     return rows
 
 
-def _matches_reference(cfg: Config, setup: Setup, path: str, scale_value: float) -> bool:
+def _matches_reference(cfg: Config, setup: Setup, path: WritePath, scale_value: float
+                       ) -> bool:
     """A write by the timed path equals the torch reference's, byte for byte."""
     from vllm.attention.writers import reference_write
 
@@ -278,10 +301,8 @@ def _matches_reference(cfg: Config, setup: Setup, path: str, scale_value: float)
     a, b, slots = setup.args
     scale = torch.full((1,), scale_value, device=got.device)
     quant = KVQuant(cfg.cache_dtype, scale, scale)
-    if cfg.mla:
-        mla_writer_for_layout(cfg.layout).write(a, b, got, slots, quant, path=path)
-    else:
-        writer_for_layout(cfg.layout).write(a, b, got, slots, quant, path=path)
+    writer = mla_writer_for_layout(cfg.layout) if cfg.mla else writer_for_layout(cfg.layout)
+    _with_path(writer).write(a, b, got, slots, quant, path=path)
     reference_write(cfg.layout, a, b, ref, slots, quant)
     return bool(torch.equal(got.view(bits), ref.view(bits)))
 
@@ -327,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.layouts:
         wanted = set(args.layouts)
         configs = [c for c in CONFIGS if c.name in wanted or c.layout.value in wanted]
-    path = args.path or ("triton" if device.type == "cuda" and triton_importable() else "torch")
+    path: WritePath = args.path or ("triton" if device.type == "cuda" and triton_importable()
+                                    else "torch")
     if path == "triton" and not triton_importable():
         print("triton is not importable: --path triton cannot run", file=sys.stderr)
         return 2
