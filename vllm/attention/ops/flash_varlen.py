@@ -175,8 +175,6 @@ def triton_measured_faster(batch: PagedBatchLike, kv: PagedKV, num_heads: int,
     256-row tiles; this path, copies included, 0.813 and 0.920 (docs/paged_attention.md)."""
     if element_size != 2:
         return None
-    from vllm.attention.writers.kernels.device import nvidia_capability
-
     if nvidia_capability(kv.device) not in TRITON_MEASURED_ON:  # cached per device
         return None
     from vllm.attention.ops.triton_paged_attention import choose_config, is_long_prefill_launch

@@ -57,6 +57,7 @@ from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.paged_args import PagedBatchLike, check_paged_args
 from vllm.attention.ops.paged_kv import Dequant, PagedKV, PagedOperand
 from vllm.attention.types import KVCacheLayout
+from vllm.attention.writers.kernels.device import multiprocessors, nvidia_capability
 
 FlexMode = Literal["auto", "gather", "page_table"]
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -881,8 +882,6 @@ def decode_launch(device: torch.device) -> dict[str, int]:
     ``benchmarks/tune_prefill.py --flex`` times this against the alternatives. NVIDIA
     only: an AMD GPU whose architecture torch reports as 9.0 (MI200) keeps Inductor's.
     """
-    from vllm.attention.writers.kernels.device import nvidia_capability
-
     if nvidia_capability(device) in ((9, 0), (10, 0), (10, 3)):
         return {"num_stages": 3, "num_warps": 2}
     return {}
@@ -900,8 +899,6 @@ def decode_splits(device: torch.device, programs: int) -> int:
     """``SPLIT_KV`` of Inductor's decode kernel (page_table mode) for ``programs``
     (batch entries x kv heads): enough splits of each request's pages for
     :data:`DECODE_PROGRAMS_PER_SM` programs an SM, at most 16; 1 off CUDA."""
-    from vllm.attention.writers.kernels.device import multiprocessors
-
     if device.type != "cuda":
         return 1
     want = -(-multiprocessors(device) * DECODE_PROGRAMS_PER_SM // max(1, programs))

@@ -21,6 +21,7 @@ from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.paged_args import PagedBatchLike, check_paged_args
 from vllm.attention.ops.paged_kv import Dequant, PagedKV
 from vllm.attention.types import KVCacheLayout
+from vllm.attention.writers.kernels.device import multiprocessors, nvidia_capability
 
 _KERNELS = "vllm.attention.ops.triton_paged_kernels"
 LOG2E = math.log2(math.e)
@@ -154,8 +155,6 @@ def choose_config(
         num_splits = 1
         if decode and max_seq_len >= 2 * MIN_SPLIT_TOKENS:
             device = kv.device
-            from vllm.attention.writers.kernels.device import multiprocessors
-
             sms = multiprocessors(device) if device.type == "cuda" else 132
             num_splits = split_heuristic(
                 programs=max(1, num_reqs * kv.num_kv_heads), num_sms=sms,
@@ -215,8 +214,6 @@ def wide_prefill_measured(device: torch.device) -> bool:
     """Whether long prefills on ``device`` take :data:`WIDE_PREFILL` (NVIDIA devices of
     :data:`WIDE_PREFILL_ON`, as :func:`~vllm.attention.writers.kernels.device.gpu_of`
     reports them; never under the interpreter or on ROCm)."""
-    from vllm.attention.writers.kernels.device import nvidia_capability
-
     return not interpreter_active() and nvidia_capability(device) in WIDE_PREFILL_ON
 
 
