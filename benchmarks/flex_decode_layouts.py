@@ -15,7 +15,6 @@ first variant's output, and the two longest kernels.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,6 @@ from _timing import kernel_us, queued_us  # noqa: E402
 
 from vllm.attention.ops import flex_paged  # noqa: E402
 from vllm.attention.ops.paged_kv import PagedOperand  # noqa: E402
-from vllm.attention.types import KVCacheLayout  # noqa: E402
 
 
 def main() -> int:
@@ -37,17 +35,13 @@ def main() -> int:
         print("flex_decode_layouts.py needs CUDA (it times Inductor's kernels); nothing to do")
         return 0
     dev = torch.device("cuda")
-    heads, kv_heads, d = 32, 8, 128
-    args = argparse.Namespace(kv_heads=kv_heads, head_size=d, torch_dtype=torch.bfloat16,
-                              heads=heads)
-    q, kv, meta = tune_prefill._decode_cache(64, 4096, 16, args, dev, 0,
-                                             KVCacheLayout.SPLIT_BLOCK_INTERLEAVED)
+    q, kv, meta, scale = tune_prefill.flex_decode_case(dev)
     out = torch.empty_like(q)
     shipped = flex_paged._slots
     first: list[torch.Tensor] = []
 
     def run() -> object:
-        return flex_paged.flex_paged_attention(q, kv, meta, scale=d ** -0.5, output=out,
+        return flex_paged.flex_paged_attention(q, kv, meta, scale=scale, output=out,
                                                mode="page_table", compiled=True)
 
     def variant(name: str, slots: Callable[[PagedOperand], torch.Tensor | None]) -> None:

@@ -28,7 +28,6 @@ import tune_prefill  # noqa: E402
 from _timing import queued_us  # noqa: E402
 
 from vllm.attention.ops import flex_paged  # noqa: E402
-from vllm.attention.types import KVCacheLayout  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,11 +40,7 @@ def main(argv: list[str] | None = None) -> int:
               "nothing to do")
         return 0
     dev = torch.device("cuda")
-    heads, kv_heads, d = 32, 8, 128
-    args = argparse.Namespace(kv_heads=kv_heads, head_size=d, torch_dtype=torch.bfloat16,
-                              heads=heads)
-    q, kv, meta = tune_prefill._decode_cache(64, 4096, 16, args, dev, 0,
-                                             KVCacheLayout.SPLIT_BLOCK_INTERLEAVED)
+    q, kv, meta, scale = tune_prefill.flex_decode_case(dev)
     out = torch.empty_like(q)
     spent = {"flex": 0.0, "tail": 0.0}
     compiled_flex, compiled_tail = flex_paged._compiled_flex, flex_paged._compiled_tail_merge
@@ -63,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     setattr(flex_paged, "_compiled_tail_merge", lambda: timed("tail", compiled_tail()))
 
     def run() -> object:
-        return flex_paged.flex_paged_attention(q, kv, meta, scale=d ** -0.5, output=out,
+        return flex_paged.flex_paged_attention(q, kv, meta, scale=scale, output=out,
                                                mode="page_table", compiled=True)
 
     for _ in range(3):

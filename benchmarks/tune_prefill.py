@@ -51,7 +51,11 @@ from bench_prefill import (  # noqa: E402
 )
 
 from vllm.attention import KVQuant  # noqa: E402
-from vllm.attention.layouts import kv_cache_shape  # noqa: E402
+from vllm.attention.layouts import (  # noqa: E402
+    empty_in_stride_order,
+    kv_cache_shape,
+    kv_cache_stride_order,
+)
 from vllm.attention.ops.paged_kv import PagedKV  # noqa: E402
 from vllm.attention.types import KVCacheLayout  # noqa: E402
 from vllm.attention.writers import reference_write  # noqa: E402
@@ -215,8 +219,11 @@ def _decode_cache(b: int, ctx: int, bs: int, args: argparse.Namespace, device: t
                   seed: int, layout: KVCacheLayout = L.SPLIT_BLOCK_INTERLEAVED
                   ) -> tuple[torch.Tensor, PagedKV, Any]:
     """``b`` decodes of ``ctx`` keys (the last one this step's): random queries and a
-    block-interleaved cache of page ``bs`` with every request's keys written, made on
-    the device (the host generator of ``Shape`` would take seconds at this size)."""
+    cache of ``layout`` and page ``bs`` with every request's keys written, made on the
+    device (the host generator of ``Shape`` would take seconds at this size). The cache
+    is in the layout's physical order, as ``allocate_kv_cache`` makes it: in the logical
+    order its block and token axes would not merge into the slot axis page_table mode
+    reads."""
     from vllm.attention.batch import make_paged_batch
 
     g = torch.Generator(device).manual_seed(seed)
@@ -224,19 +231,9 @@ def _decode_cache(b: int, ctx: int, bs: int, args: argparse.Namespace, device: t
     batch = make_paged_batch([1] * b, [ctx - 1] * b, block_size=bs, device=device,
                              generator=torch.Generator().manual_seed(seed))
     q = torch.randn(b, args.heads, d, generator=g, device=device).to(dtype)
-    from vllm.attention import allocate_kv_cache
-    from vllm.attention.registry import get_backend
-
-    # the cache of a backend with that layout, in its physical order (FLEX_ATTENTION's
-    # block-interleaved one, or TREE_ATTN's K/V-first one, the other layout page_table
-    # mode reads in place): a tensor in the logical order would not merge blocks and
-    # tokens into one slot axis
-    backend = {L.SPLIT_BLOCK_INTERLEAVED: "FLEX_ATTENTION", L.SPLIT_KV_FIRST: "TREE_ATTN"}
-    if layout not in backend:
-        raise ValueError(f"layout {layout}: block-interleaved or K/V-first")
-    cache = allocate_kv_cache(get_backend(backend[layout]), num_blocks=batch.num_blocks,
-                              block_size=bs, num_kv_heads=h, head_size=d, model_dtype=dtype,
-                              device=device).zero_()
+    cache = empty_in_stride_order(kv_cache_shape(layout, batch.num_blocks, bs, h, d),
+                                  kv_cache_stride_order(layout), dtype=dtype,
+                                  device=device).zero_()
     quant = KVQuant.unscaled()
     per_req = ctx - 1
     slots = torch.cat([batch.context_slots.view(b, per_req), batch.new_slots.view(b, 1)], 1)
@@ -245,6 +242,17 @@ def _decode_cache(b: int, ctx: int, bs: int, args: argparse.Namespace, device: t
     reference_write(layout, keys, vals, cache, slots.reshape(-1), quant)
     kv = PagedKV.from_cache(cache, layout, quant, block_size=bs, num_kv_heads=h, head_size=d)
     return q, kv, batch.common
+
+
+def flex_decode_case(device: torch.device) -> tuple[torch.Tensor, PagedKV, Any, float]:
+    """``(query, cache, metadata, scale)`` of the FlexAttention decode the profiling
+    scripts study (``flex_decode_layouts.py``, ``flex_host_profile.py``): bench_prefill's
+    decode shape, batch 64 x 4096 context, 32 q / 8 kv heads, D=128, bf16, page 16, in
+    FLEX_ATTENTION's block-interleaved cache."""
+    d = 128
+    args = argparse.Namespace(kv_heads=8, head_size=d, torch_dtype=torch.bfloat16, heads=32)
+    q, kv, meta = _decode_cache(64, 4096, 16, args, device, 0, L.SPLIT_BLOCK_INTERLEAVED)
+    return q, kv, meta, d ** -0.5
 
 
 def sweep_flex_decode(args: argparse.Namespace, device: torch.device, deadline: float
