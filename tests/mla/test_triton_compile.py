@@ -112,8 +112,6 @@ class Rec:
         return lambda *a, **k: calls.append((self.fn, a, k))
 tmd._kernels = lambda interp: (Rec(kern.mla_decode_mma_kernel), Rec(kern.mla_decode_combine_kernel))
 tmd._gluon_kernel = lambda: Rec(gkern.mla_decode_gluon_kernel)
-from vllm.attention.ops import gluon_mla_lead_kernels as lkern
-tmd._lead_kernel = lambda: Rec(lkern.mla_decode_lead_kernel)
 tmd._interpreting = lambda: False
 failures = 0
 for cap in (80, 90, 100):
