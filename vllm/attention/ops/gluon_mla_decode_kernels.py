@@ -76,37 +76,22 @@ def _issue_tile(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor,
 
 
 @jit
-def _issue_scores(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
-                  ka: gl.shared_memory_descriptor, kp: gl.shared_memory_descriptor,
-                  S_LAYOUT: gl.constexpr, BLOCK_H: gl.constexpr,
-                  BLOCK_N: gl.constexpr) -> gl.tensor:  # (latent part, rope part) in flight
-    """Start the score MMAs of a tile over the latent and over the rope columns, each
-    into an accumulator of its own: an MMA that accumulates into registers a group
-    still in flight writes waits at its issue for that group, so a single accumulator
-    would stall the warps between the two groups (and hold up whatever follows)."""
-    zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
-    s_lat = warpgroup_mma(q_s, ka.permute((1, 0)), zero, use_acc=False, is_async=True)
-    s_pe = warpgroup_mma(qp_s, kp.permute((1, 0)), zero, use_acc=False, is_async=True)
-    return s_lat, s_pe
-
-
-@jit
-def _attend(s_lat: gl.tensor, s_pe: gl.tensor, q_s: gl.shared_memory_descriptor,
-            qp_s: gl.shared_memory_descriptor, ka: gl.shared_memory_descriptor,
-            kp: gl.shared_memory_descriptor, p_s: gl.shared_memory_descriptor,
-            ones_s: gl.shared_memory_descriptor, acc: gl.tensor, l_acc: gl.tensor,
-            m_i: gl.tensor, qk_scale: gl.tensor, n_valid: gl.tensor, MASKED: gl.constexpr,
-            S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, L_LAYOUT: gl.constexpr,
+def _attend(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
+            ka: gl.shared_memory_descriptor, kp: gl.shared_memory_descriptor,
+            p_s: gl.shared_memory_descriptor, ones_s: gl.shared_memory_descriptor,
+            acc: gl.tensor, l_acc: gl.tensor, m_i: gl.tensor, qk_scale: gl.tensor,
+            n_valid: gl.tensor, MASKED: gl.constexpr, S_LAYOUT: gl.constexpr,
+            O_LAYOUT: gl.constexpr, L_LAYOUT: gl.constexpr, BLOCK_H: gl.constexpr,
             BLOCK_N: gl.constexpr) -> gl.tensor:  # (acc, l_acc in flight, m_i)
-    """The rest of a tile once its score MMAs (:func:`_issue_scores`) are the last in
-    flight: their wait, the online softmax, and the value MMAs, left in flight.
-    ``acc`` / ``l_acc``: the output and the row sums of P (an MMA of P against ones: no
-    reduction across the warpgroups a tile), no MMA of them in flight; ``qk_scale``:
-    ``[BLOCK_H]``, what turns a head's scores into base-2 logits; ``MASKED``: keys at or
-    past ``n_valid`` get probability zero."""
-    s_lat, s_pe = warpgroup_mma_wait(num_outstanding=0, deps=(s_lat, s_pe, q_s, qp_s, ka,
-                                                              kp))[:2]
-    s = s_lat + s_pe
+    """One tile: the score MMAs (waited for), the online softmax, and the value MMAs,
+    left in flight. ``acc`` / ``l_acc``: the output and the row sums of P (an MMA of P
+    against ones: no reduction across the warpgroups a tile), no MMA of them in
+    flight; ``qk_scale``: ``[BLOCK_H]``, what turns a head's scores into base-2
+    logits; ``MASKED``: keys at or past ``n_valid`` get probability zero."""
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+    s = warpgroup_mma(q_s, ka.permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(qp_s, kp.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_s, qp_s, ka, kp))[0]
     if MASKED:
         keys = gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
         s = gl.where((keys < n_valid)[None, :], s, float("-inf"))
@@ -301,43 +286,29 @@ def mla_decode_gluon_kernel(
     l_acc = warpgroup_mma_init(gl.zeros([BLOCK_H, ONES], gl.float32, L_LAYOUT))
     for j in range(n_full):
         buf = j % 2
+        # the previous value MMAs, in both warpgroups, are the last readers of the other
+        # buffer (and of the widened tile) and of P: then the next tile's copy starts,
+        # a whole iteration ahead
+        acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
+        gl.thread_barrier()
         nxt = j + 1
+        _issue_tile(LAT_DESC, PE_DESC, blk_next, start + nxt * BLOCK_N, bars.index(nxt % 2),
+                    ka_bufs.index(nxt % 2), kp_bufs.index(nxt % 2), nxt < n_full, KV_LORA,
+                    PAGE)
+        blk_next = _block_of(BT, req, start + (j + 2) * BLOCK_N, stride_bt, j + 2 < n_full,
+                             PAGE)
+        mbarrier.wait(bars.index(buf), (j // 2) & 1)
         if FP8 != 0:
-            # the previous value MMAs, in both warpgroups, are the last readers of the
-            # other buffer, of the widened tile and of P: then the next tile's copy
-            # starts, a whole iteration ahead, and this tile is widened
-            acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
-            gl.thread_barrier()
-            _issue_tile(LAT_DESC, PE_DESC, blk_next, start + nxt * BLOCK_N,
-                        bars.index(nxt % 2), ka_bufs.index(nxt % 2), kp_bufs.index(nxt % 2),
-                        nxt < n_full, KV_LORA, PAGE)
-            blk_next = _block_of(BT, req, start + (j + 2) * BLOCK_N, stride_bt,
-                                 j + 2 < n_full, PAGE)
-            mbarrier.wait(bars.index(buf), (j // 2) & 1)
             _widen_tile(ka_bufs.index(buf), kp_bufs.index(buf), wa, wp, FP8, KV_LORA, CH,
                         LOAD8)
             ka = wa
             kp = wp
-            s_lat, s_pe = _issue_scores(q_s, qp_s, ka, kp, S_LAYOUT, BLOCK_H, BLOCK_N)
         else:
             ka = ka_bufs.index(buf)
             kp = kp_bufs.index(buf)
-            # this tile's score MMAs queue behind the previous value MMAs, so the tensor
-            # cores go from one to the other; those value MMAs (the two groups before
-            # the scores' two), in both warpgroups, are the last readers of the other
-            # buffer and of P: then the next tile's copy starts, a whole iteration ahead
-            mbarrier.wait(bars.index(buf), (j // 2) & 1)
-            s_lat, s_pe = _issue_scores(q_s, qp_s, ka, kp, S_LAYOUT, BLOCK_H, BLOCK_N)
-            acc, l_acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, l_acc))
-            gl.thread_barrier()
-            _issue_tile(LAT_DESC, PE_DESC, blk_next, start + nxt * BLOCK_N,
-                        bars.index(nxt % 2), ka_bufs.index(nxt % 2), kp_bufs.index(nxt % 2),
-                        nxt < n_full, KV_LORA, PAGE)
-            blk_next = _block_of(BT, req, start + (j + 2) * BLOCK_N, stride_bt,
-                                 j + 2 < n_full, PAGE)
-        acc, l_acc, m_i = _attend(s_lat, s_pe, q_s, qp_s, ka, kp, p_s, ones_s, acc, l_acc,
-                                  m_i, qk_scale, BLOCK_N, False, S_LAYOUT, O_LAYOUT,
-                                  L_LAYOUT, BLOCK_N)
+        acc, l_acc, m_i = _attend(q_s, qp_s, ka, kp, p_s, ones_s, acc, l_acc, m_i,
+                                  qk_scale, BLOCK_N, False, S_LAYOUT, O_LAYOUT, L_LAYOUT,
+                                  BLOCK_H, BLOCK_N)
     acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
 
     tail = start + n_full * BLOCK_N
@@ -345,10 +316,9 @@ def mla_decode_gluon_kernel(
         gl.thread_barrier()
         _load_tail(C, BT, req, tail, end, stride_bt, stride_cb, stride_cs, wa, wp, FP8,
                    KV_LORA, ROPE, PAGE, BLOCK_N, CH, LOAD8 if FP8 != 0 else LOAD)
-        s_lat, s_pe = _issue_scores(q_s, qp_s, wa, wp, S_LAYOUT, BLOCK_H, BLOCK_N)
-        acc, l_acc, m_i = _attend(s_lat, s_pe, q_s, qp_s, wa, wp, p_s, ones_s, acc, l_acc,
-                                  m_i, qk_scale, end - tail, True, S_LAYOUT, O_LAYOUT,
-                                  L_LAYOUT, BLOCK_N)
+        acc, l_acc, m_i = _attend(q_s, qp_s, wa, wp, p_s, ones_s, acc, l_acc, m_i, qk_scale,
+                                  end - tail, True, S_LAYOUT, O_LAYOUT, L_LAYOUT, BLOCK_H,
+                                  BLOCK_N)
         acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
     for i in gl.static_range(2):
         mbarrier.invalidate(bars.index(i))
