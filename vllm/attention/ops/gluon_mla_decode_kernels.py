@@ -14,8 +14,10 @@ and warpgroup MMAs so the schedule is the kernel's own rather than the compiler'
   of a copy is loaded an iteration before it;
 * the value MMAs are left in flight across the loop's back edge and waited for only
   where their accumulators or their operands are needed again;
-* the row sums of P come from an MMA of P against a tile of ones, so no reduction
-  crosses the warpgroups a tile (the row maximum still does).
+* the row sums of P are kept a row and score column, each thread adding its own
+  elements of P, and reduced once, at the end: no reduction crosses threads a tile
+  for them, and nothing queues behind the value MMAs (the row maximum still crosses
+  the warpgroups).
 
 The eight warps are two warpgroups laid ``[4, 2]``: each computes half of a tile's
 keys in the score MMAs and half of the latent columns in the value MMA (P goes
@@ -78,15 +80,15 @@ def _issue_tile(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor,
 @jit
 def _attend(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
             ka: gl.shared_memory_descriptor, kp: gl.shared_memory_descriptor,
-            p_s: gl.shared_memory_descriptor, ones_s: gl.shared_memory_descriptor,
-            acc: gl.tensor, l_acc: gl.tensor, m_i: gl.tensor, qk_scale: gl.tensor,
-            n_valid: gl.tensor, MASKED: gl.constexpr, S_LAYOUT: gl.constexpr,
-            O_LAYOUT: gl.constexpr, L_LAYOUT: gl.constexpr, BLOCK_H: gl.constexpr,
-            BLOCK_N: gl.constexpr) -> gl.tensor:  # (acc, l_acc in flight, m_i)
+            p_s: gl.shared_memory_descriptor, acc: gl.tensor, l_acc: gl.tensor,
+            m_i: gl.tensor, qk_scale: gl.tensor, n_valid: gl.tensor, MASKED: gl.constexpr,
+            S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, BLOCK_H: gl.constexpr,
+            BLOCK_N: gl.constexpr) -> gl.tensor:  # (acc in flight, l_acc, m_i)
     """One tile: the score MMAs (waited for), the online softmax, and the value MMAs,
-    left in flight. ``acc`` / ``l_acc``: the output and the row sums of P (an MMA of P
-    against ones: no reduction across the warpgroups a tile), no MMA of them in
-    flight; ``qk_scale``: ``[BLOCK_H]``, what turns a head's scores into base-2
+    left in flight. ``acc``: the output, no MMA of it in flight; ``l_acc``: the sums of
+    P a row and score column, ``[BLOCK_H, BLOCK_N]`` in the scores' layout (each thread
+    adds its own elements: no reduction across threads a tile, and nothing behind the
+    value MMAs); ``qk_scale``: ``[BLOCK_H]``, what turns a head's scores into base-2
     logits; ``MASKED``: keys at or past ``n_valid`` get probability zero."""
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
     s = warpgroup_mma(q_s, ka.permute((1, 0)), s, use_acc=False, is_async=True)
@@ -103,14 +105,13 @@ def _attend(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
     p = gl.exp2(gl.fma(s, qk_scale[:, None], -m_safe[:, None]))
     alpha = gl.exp2(m_i - m_safe)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-    l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, L_LAYOUT))[:, None]
+    l_acc = gl.fma(l_acc, alpha[:, None], p)
     # every warp's P in shared memory, visible to the MMA (the async proxy), before
     # either warpgroup reads all of it
     p_s.store(p.to(ka.dtype))
     fence_async_shared()
     gl.thread_barrier()
     acc = warpgroup_mma(p_s, ka, acc, is_async=True)
-    l_acc = warpgroup_mma(p_s, ones_s, l_acc, is_async=True)
     return acc, l_acc, m_new
 
 
@@ -211,10 +212,6 @@ def mla_decode_gluon_kernel(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, KV_LORA // 2, 16])
-    # the row sums of P: an MMA of P against a [BLOCK_N, ONES] tile of ones
-    ONES: gl.constexpr = 16
-    L_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, ONES // 2, 16])
     # 16-byte vectors along a row: 16-bit values (the query, a partial tile), fp8 bytes
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     LOAD8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
@@ -234,7 +231,7 @@ def mla_decode_gluon_kernel(
     n_full = (end - start) // BLOCK_N
 
     # the buffers: two key tiles as stored (TMA), with fp8 one widened tile, the query
-    # (kept), P, ones
+    # (kept), P
     ka_bufs = gl.allocate_shared_memory(RAW, [2, BLOCK_N, KV_LORA], LAT_DESC.layout)
     kp_bufs = gl.allocate_shared_memory(RAW, [2, BLOCK_N, ROPE], PE_DESC.layout)
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -274,22 +271,19 @@ def mla_decode_gluon_kernel(
     p_s = gl.allocate_shared_memory(
         DOT, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N],
                                                                       DOT))
-    ones_s = gl.allocate_shared_memory(
-        DOT, [BLOCK_N, ONES], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ONES], DOT),
-        gl.full([BLOCK_N, ONES], 1.0, DOT, LOAD))
     fence_async_shared()
     gl.thread_barrier()
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
     # accumulators with (formally) an MMA in flight, the type the loop carries
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, KV_LORA], gl.float32, O_LAYOUT))
-    l_acc = warpgroup_mma_init(gl.zeros([BLOCK_H, ONES], gl.float32, L_LAYOUT))
+    l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
     for j in range(n_full):
         buf = j % 2
         # the previous value MMAs, in both warpgroups, are the last readers of the other
         # buffer (and of the widened tile) and of P: then the next tile's copy starts,
         # a whole iteration ahead
-        acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
         nxt = j + 1
         _issue_tile(LAT_DESC, PE_DESC, blk_next, start + nxt * BLOCK_N, bars.index(nxt % 2),
@@ -306,25 +300,22 @@ def mla_decode_gluon_kernel(
         else:
             ka = ka_bufs.index(buf)
             kp = kp_bufs.index(buf)
-        acc, l_acc, m_i = _attend(q_s, qp_s, ka, kp, p_s, ones_s, acc, l_acc, m_i,
-                                  qk_scale, BLOCK_N, False, S_LAYOUT, O_LAYOUT, L_LAYOUT,
-                                  BLOCK_H, BLOCK_N)
-    acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
+        acc, l_acc, m_i = _attend(q_s, qp_s, ka, kp, p_s, acc, l_acc, m_i, qk_scale,
+                                  BLOCK_N, False, S_LAYOUT, O_LAYOUT, BLOCK_H, BLOCK_N)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     tail = start + n_full * BLOCK_N
     if tail < end:
         gl.thread_barrier()
         _load_tail(C, BT, req, tail, end, stride_bt, stride_cb, stride_cs, wa, wp, FP8,
                    KV_LORA, ROPE, PAGE, BLOCK_N, CH, LOAD8 if FP8 != 0 else LOAD)
-        acc, l_acc, m_i = _attend(q_s, qp_s, wa, wp, p_s, ones_s, acc, l_acc, m_i, qk_scale,
-                                  end - tail, True, S_LAYOUT, O_LAYOUT, L_LAYOUT, BLOCK_H,
-                                  BLOCK_N)
-        acc, l_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_acc))
+        acc, l_acc, m_i = _attend(q_s, qp_s, wa, wp, p_s, acc, l_acc, m_i, qk_scale,
+                                  end - tail, True, S_LAYOUT, O_LAYOUT, BLOCK_H, BLOCK_N)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     for i in gl.static_range(2):
         mbarrier.invalidate(bars.index(i))
 
-    # every column of l_acc holds the row's sum
-    l_i = gl.convert_layout(gl.max(l_acc, 1), gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.sum(l_acc, 1)
     seen = l_i > 0.0
     k_scale = 1.0
     if FP8 != 0:

@@ -282,8 +282,8 @@ def gluon_unsupported_reasons(q_dtype: torch.dtype, kv_cache: torch.Tensor, kv_l
     if R & (R - 1) or not 8 <= R <= 256:
         reasons.append(f"rope_dim={R}: the Gluon kernel takes a power of two in 8..256")
     # the query and two key tiles of L + R 16-bit values a row (fp8: two tiles of bytes
-    # and one widened), P, ones
-    smem = 3 * GLUON_TILE * (L + R) * 2 + GLUON_TILE * (GLUON_TILE + 16) * 2 + 1024
+    # and one widened), P
+    smem = 3 * GLUON_TILE * (L + R) * 2 + GLUON_TILE * GLUON_TILE * 2 + 1024
     if smem > _GLUON_SMEM:
         reasons.append(f"kv_lora_rank + rope_dim = {L + R}: the Gluon kernel's tiles would "
                        f"need {smem} bytes of shared memory, sm_90 has {_GLUON_SMEM}")
