@@ -76,6 +76,55 @@ def _check(x: dict[str, Any], rope: RoPE, writer: SplitKVCacheWriter) -> bool:
     return bool(torch.equal(got.view(bits), want.view(bits))) and q_ok
 
 
+def _case(cache_dtype: str, t: int, args: argparse.Namespace, rope: RoPE,
+          device: torch.device, cuda: bool) -> dict[str, Any]:
+    """One row: the variants of one cache dtype and token count, timed (the step's
+    tensors are freed when it returns)."""
+    x = _setup(t, cache_dtype, device, seed=t, scale_value=args.scale)
+    w = SplitKVCacheWriter(KVCacheLayout.SPLIT_NHD)
+    q, k, v, cache, slots, pos, quant = (x[n] for n in ("q", "k", "v", "cache", "slots",
+                                                        "positions", "quant"))
+    ok = _check(x, rope, w)
+    if cuda:
+        rotate = rope_launch(q, k, pos, rope.cos_sin_cache, rope.is_neox)
+
+        def rotate_then_write() -> None:
+            rotate.run()
+            w.write(k, v, cache, slots, quant)
+    else:
+        def rotate_then_write() -> None:
+            apply_rope(q, k, pos, rope)
+            w.write(k, v, cache, slots, quant)
+
+    variants = {
+        "fused": lambda: w.write_with_rope(q, k, v, cache, slots, quant, pos, rope),
+        "rotate+write": rotate_then_write,
+        "fused_k_only": lambda: w.write_with_rope(None, k, v, cache, slots, quant, pos,
+                                                  rope),
+        "write": lambda: w.write(k, v, cache, slots, quant),
+    }
+    row: dict[str, Any] = {"cache_dtype": cache_dtype, "tokens": t, "matches_oracle": ok}
+    for name, fn in variants.items():
+        if cuda:
+            row[f"{name}_graph_us"] = replay_us(capture(fn, reps=args.reps),
+                                                replays=20) / args.reps
+        row[f"{name}_eager_us"] = host_us(fn, device, calls=1000 if cuda else 20,
+                                          rounds=3)["with_sync_us"]
+    key = "graph_us" if cuda else "eager_us"
+    row["speedup"] = row[f"rotate+write_{key}"] / row[f"fused_{key}"]
+    row["speedup_eager"] = row["rotate+write_eager_us"] / row["fused_eager_us"]
+    row["k_only_vs_write"] = row[f"fused_k_only_{key}"] / row[f"write_{key}"]
+    row["fused_vs_write"] = row[f"fused_{key}"] / row[f"write_{key}"]
+    if cuda:  # the issue's targets, for the bf16 and the fp8 cache alike
+        if t <= 64:
+            row["target"] = f"speedup >= {SMALL_TARGET}"
+            row["ok"] = row["speedup"] >= SMALL_TARGET
+        elif t >= 8192:
+            row["target"] = f"k-only/write <= {LARGE_TARGET}"
+            row["ok"] = row["k_only_vs_write"] <= LARGE_TARGET
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,51 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for cache_dtype in args.cache_dtypes:
         for t in args.tokens:
-            x = _setup(t, cache_dtype, device, seed=t, scale_value=args.scale)
-            w = SplitKVCacheWriter(KVCacheLayout.SPLIT_NHD)
-            q, k, v, cache, slots, pos, quant = (x[n] for n in ("q", "k", "v", "cache", "slots",
-                                                                "positions", "quant"))
-            ok = _check(x, rope, w)
-            if cuda:
-                rotate = rope_launch(q, k, pos, rope.cos_sin_cache, rope.is_neox)
-
-                def rotate_then_write() -> None:
-                    rotate.run()
-                    w.write(k, v, cache, slots, quant)
-            else:
-                def rotate_then_write() -> None:
-                    apply_rope(q, k, pos, rope)
-                    w.write(k, v, cache, slots, quant)
-
-            variants = {
-                "fused": lambda: w.write_with_rope(q, k, v, cache, slots, quant, pos, rope),
-                "rotate+write": rotate_then_write,
-                "fused_k_only": lambda: w.write_with_rope(None, k, v, cache, slots, quant, pos,
-                                                          rope),
-                "write": lambda: w.write(k, v, cache, slots, quant),
-            }
-            row: dict[str, Any] = {"cache_dtype": cache_dtype, "tokens": t, "matches_oracle": ok}
-            for name, fn in variants.items():
-                if cuda:
-                    row[f"{name}_graph_us"] = replay_us(capture(fn, reps=args.reps),
-                                                        replays=20) / args.reps
-                row[f"{name}_eager_us"] = host_us(fn, device, calls=1000 if cuda else 20,
-                                                  rounds=3)["with_sync_us"]
-            key = "graph_us" if cuda else "eager_us"
-            row["speedup"] = row[f"rotate+write_{key}"] / row[f"fused_{key}"]
-            row["speedup_eager"] = row["rotate+write_eager_us"] / row["fused_eager_us"]
-            row["k_only_vs_write"] = row[f"fused_k_only_{key}"] / row[f"write_{key}"]
-            row["fused_vs_write"] = row[f"fused_{key}"] / row[f"write_{key}"]
-            if cuda:  # the issue's targets, for the bf16 and the fp8 cache alike
-                if t <= 64:
-                    row["target"] = f"speedup >= {SMALL_TARGET}"
-                    row["ok"] = row["speedup"] >= SMALL_TARGET
-                elif t >= 8192:
-                    row["target"] = f"k-only/write <= {LARGE_TARGET}"
-                    row["ok"] = row["k_only_vs_write"] <= LARGE_TARGET
+            row = _case(cache_dtype, t, args, rope, device, cuda)
             rows.append(row)
-            print(f"  {cache_dtype} T={t}: oracle {'ok' if ok else 'MISMATCH'}", flush=True)
-            del x, q, k, v, cache
+            print(f"  {cache_dtype} T={t}: oracle {'ok' if row['matches_oracle'] else 'MISMATCH'}",
+                  flush=True)
             if cuda:
                 torch.cuda.empty_cache()
     info = device_info(device)

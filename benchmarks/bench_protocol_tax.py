@@ -249,7 +249,6 @@ def main(argv: list[str] | None = None) -> int:
             paged_attention(q, kv, meta, scale=D ** -0.5, output=out_direct, causal=True)
     results["direct"] = measure(direct)
     outputs["direct"] = out_direct.clone()
-    del layer
 
     # legacy backends: through the adapter, and called directly
     for legacy_cls, tag in ((BenchLegacyFused, "fused"), (BenchLegacyFlagged, "flagged")):
@@ -280,7 +279,6 @@ def main(argv: list[str] | None = None) -> int:
                 impl.forward(None, q, k, v, cache, lmeta, out_l)
         results[f"legacy {tag} direct"] = measure(legacy_direct)
         outputs[f"legacy {tag} direct"] = out_l.clone()
-        del alayer
 
     key = "graph_us" if cuda else "eager_us"
     pairs = [("layer", "direct", LAYER_TARGET),
