@@ -275,7 +275,7 @@ def mla_decode_gluon_kernel(
     gl.thread_barrier()
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    # accumulators with (formally) an MMA in flight, the type the loop carries
+    # the output with (formally) an MMA in flight, the type the loop carries
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, KV_LORA], gl.float32, O_LAYOUT))
     l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
     for j in range(n_full):
