@@ -39,6 +39,15 @@ def device_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def cuda_or_skip(script: str, needs: str) -> torch.device | None:
+    """The CUDA device, or None once ``script`` has printed why it has nothing to do
+    without one (``needs``: what it times there)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    print(f"{script} needs CUDA ({needs}); nothing to do")
+    return None
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

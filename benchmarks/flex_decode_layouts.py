@@ -24,17 +24,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tune_prefill  # noqa: E402
-from _timing import kernel_us, queued_us  # noqa: E402
+from _timing import cuda_or_skip, kernel_us, queued_us  # noqa: E402
 
 from vllm.attention.ops import flex_paged  # noqa: E402
 from vllm.attention.ops.paged_kv import PagedOperand  # noqa: E402
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("flex_decode_layouts.py needs CUDA (it times Inductor's kernels); nothing to do")
+    dev = cuda_or_skip("flex_decode_layouts.py", "it times Inductor's kernels")
+    if dev is None:
         return 0
-    dev = torch.device("cuda")
     q, kv, meta, scale = tune_prefill.flex_decode_case(dev)
     out = torch.empty_like(q)
     shipped = flex_paged._slots

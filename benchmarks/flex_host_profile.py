@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tune_prefill  # noqa: E402
-from _timing import queued_us  # noqa: E402
+from _timing import cuda_or_skip, queued_us  # noqa: E402
 
 from vllm.attention.ops import flex_paged  # noqa: E402
 
@@ -35,11 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--profiled", type=int, default=10)
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("flex_host_profile.py needs CUDA (it times Inductor's compiled calls); "
-              "nothing to do")
+    dev = cuda_or_skip("flex_host_profile.py", "it times Inductor's compiled calls")
+    if dev is None:
         return 0
-    dev = torch.device("cuda")
     q, kv, meta, scale = tune_prefill.flex_decode_case(dev)
     out = torch.empty_like(q)
     spent = {"flex": 0.0, "tail": 0.0}

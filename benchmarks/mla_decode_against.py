@@ -22,10 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _timing import cuda_or_skip  # noqa: E402
 from bench_mla_decode import Step, _time  # noqa: E402
 
 from vllm.attention.ops import triton_mla_decode as tmd  # noqa: E402
@@ -55,11 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("commit", help="the commit whose kernel to time beside this tree's")
     p.add_argument("--replays", type=int, default=200)
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("mla_decode_against.py needs CUDA (the Gluon kernel runs on sm_90); "
-              "nothing to do")
+    dev = cuda_or_skip("mla_decode_against.py", "the Gluon kernel runs on sm_90")
+    if dev is None:
         return 0
-    dev = torch.device("cuda")
     ours: Callable[[], Any] = tmd._gluon_kernel
     with tempfile.TemporaryDirectory() as tmp:
         theirs = kernel_at(a.commit, Path(tmp))

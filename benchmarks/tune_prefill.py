@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import (  # noqa: E402
+    cuda_or_skip,
     device_info,
     kernel_us,
     print_table,
@@ -357,10 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-batch", type=int, default=64)
     p.add_argument("--decode-context", type=int, default=4096)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tune_prefill.py needs CUDA (it times compiled kernels); nothing to do here")
+    device = cuda_or_skip("tune_prefill.py", "it times compiled kernels")
+    if device is None:
         return 0
-    device = torch.device("cuda")
     args.torch_dtype = torch.bfloat16
     deadline = time.monotonic() + args.budget
     g = torch.Generator().manual_seed(0)
