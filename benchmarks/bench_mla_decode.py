@@ -145,8 +145,9 @@ class Step:
 
     def kernel(self, variant: str = "default") -> Callable[[], torch.Tensor]:
         """The decode alone on the contiguous absorbed query: ``default`` (the launch the
-        device gets), ``triton`` (the Triton tensor-core kernel where the default is the
-        Gluon one) or ``per-row`` (the per-row kernel)."""
+        device gets), ``gluon`` (the Gluon kernel with split scores where the default is
+        the lead-warpgroup one), ``triton`` (the Triton tensor-core kernel where the
+        default is a Gluon one) or ``per-row`` (the per-row kernel)."""
         from vllm.attention.ops.triton_mla import mla_decode_per_row, mla_decode_triton
         from vllm.attention.ops.triton_mla_decode import default_config, mla_decode_mma
 
@@ -157,9 +158,9 @@ class Step:
         if variant == "per-row":
             return lambda: mla_decode_per_row(*args, scale=self.spec.scale,
                                               max_seq_len=m.max_decode_seq_len)
-        if variant == "triton":
+        if variant in ("triton", "gluon"):
             cfg = dataclasses.replace(default_config(q_lat.dtype, gpu_of(q_lat.device)),
-                                      gluon=False)
+                                      gluon=variant == "gluon", lead=False)
             return lambda: mla_decode_mma(*args, scale=self.spec.scale,
                                           max_seq_len=m.max_decode_seq_len, config=cfg,
                                           out_dtype=torch.bfloat16)
@@ -168,14 +169,18 @@ class Step:
                                          out_dtype=torch.bfloat16)
 
     def kernel_path(self) -> str:
-        """``gluon`` where the default decode runs the Gluon kernel, else ``triton``."""
-        from vllm.attention.ops.triton_mla_decode import default_config, takes_gluon
+        """``gluon-lead`` or ``gluon`` where the default decode runs a Gluon kernel
+        (the lead-warpgroup one or the one with split scores), else ``triton``."""
+        from vllm.attention.ops.triton_mla_decode import default_config, takes_gluon, takes_lead
 
         gpu = gpu_of(self.q.device)
+        cfg = default_config(self.q.dtype, gpu)
         # (an fp8_ds_mla cache, bytes: takes_gluon says no, as the launcher routes it)
-        use = takes_gluon(default_config(self.q.dtype, gpu), self.q.dtype, self.cache, L, R,
-                          gpu, scale=self.spec.scale)
-        return "gluon" if use else "triton"
+        if takes_lead(cfg, self.q.dtype, self.cache, L, R, gpu, scale=self.spec.scale):
+            return "gluon-lead"
+        if takes_gluon(cfg, self.q.dtype, self.cache, L, R, gpu, scale=self.spec.scale):
+            return "gluon"
+        return "triton"
 
     def parts(self) -> dict[str, Callable[[], object]]:
         """The layer's decode step piece by piece, as its forward runs them (a pure
@@ -278,10 +283,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 kernel_path = step.kernel_path()
                 variants: list[tuple[str, str, str, float | None]] = [
                     ("decode kernel", "default", kernel_path, err)]
-                if kernel_path == "gluon":  # the Triton kernel it replaces, beside it
-                    err_t = step.check("triton")
+                # the kernels the default replaced, beside it
+                earlier = {"gluon-lead": ["gluon", "triton"], "gluon": ["triton"]}
+                for alt in earlier.get(kernel_path, []):
+                    err_t = step.check(alt)
                     failed |= not err_t < tol
-                    variants.append(("decode kernel", "triton", "triton", err_t))
+                    variants.append(("decode kernel", alt, alt, err_t))
                 variants.append(("per-row kernel", "per-row", "triton", None))
                 for what, variant, kpath, kerr in variants:
                     us = _time(step.kernel(variant), device, args.replays)

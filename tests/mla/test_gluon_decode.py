@@ -100,17 +100,26 @@ def _case(heads: int, dtype: torch.dtype, cache_dtype: str, seed: int) -> dict[s
 @pytest.mark.skipif(not _sm90(), reason="the Gluon kernel runs on NVIDIA sm_90 only")
 @pytest.mark.parametrize("splits", [None, 1, 3, 64], ids=lambda s: f"splits{s}")
 @pytest.mark.parametrize("heads", [16, 20, 128, 130])
-@pytest.mark.parametrize("dtype, cache_dtype", [
-    (torch.bfloat16, "auto"), (torch.float16, "auto"), (torch.bfloat16, "fp8"),
-    (torch.float16, "fp8_e5m2")], ids=lambda x: str(x).replace("torch.", ""))
-def test_gluon_against_float64(dtype: torch.dtype, cache_dtype: str, heads: int,
+@pytest.mark.parametrize("dtype, cache_dtype, lead", [
+    (torch.bfloat16, "auto", True), (torch.float16, "auto", True),
+    (torch.bfloat16, "auto", False), (torch.float16, "auto", False),
+    (torch.bfloat16, "fp8", False), (torch.float16, "fp8_e5m2", False)],
+    ids=lambda x: str(x).replace("torch.", "") if not isinstance(x, bool)
+    else ("lead" if x else "split-scores"))
+def test_gluon_against_float64(dtype: torch.dtype, cache_dtype: str, lead: bool, heads: int,
                                splits: int | None) -> None:
+    import dataclasses
+
     from vllm.attention.ops import triton_mla_decode as tmd
 
     x = _case(heads, dtype, cache_dtype, seed=heads + (splits or 0))
     cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
     q: torch.Tensor = x["q"]  # type: ignore[assignment]
-    assert tmd.gluon_unsupported_reasons(dtype, cache, L, R, tmd.gpu_of(cache.device)) == []
+    gpu = tmd.gpu_of(cache.device)
+    assert tmd.gluon_unsupported_reasons(dtype, cache, L, R, gpu) == []
+    cfg = dataclasses.replace(tmd.default_config(dtype, gpu), lead=lead)
+    # the default takes the lead-warpgroup kernel for caches in the model's dtype
+    assert tmd.takes_lead(cfg, dtype, cache, L, R, gpu, scale=1.0) == lead
     before = cache.view(torch.uint8).clone()
     fp8 = cache_dtype in FP8
     k_scale = K_SCALE if fp8 else 1.0
@@ -119,7 +128,7 @@ def test_gluon_against_float64(dtype: torch.dtype, cache_dtype: str, heads: int,
     # the latent and rope parts as separate strided views, as the layer passes them
     out = tmd.mla_decode_mma(q[..., :L], cache, x["bt"], x["req"], x["pos"], fmt,  # type: ignore[arg-type]
                              scale=scale, max_seq_len=max(SEQ_LENS), num_splits=splits,
-                             out_dtype=dtype, q_pe=q[..., L:])
+                             out_dtype=dtype, q_pe=q[..., L:], config=cfg)
     ref = latent_decode_reference(q, cache, x["bt"], x["tokens"], L, scale,  # type: ignore[arg-type]
                                   K_SCALE if fp8 else None)
     assert torch.equal(cache.view(torch.uint8), before)

@@ -57,7 +57,10 @@ class MLADecodeConfig:
     exactly, a power of two a head); ``gluon``: on NVIDIA sm_90 with a 16-bit model,
     the Gluon kernel of :mod:`vllm.attention.ops.gluon_mla_decode_kernels` (its own
     tiles: 64 heads, 64 rows, 8 warps, two key buffers), where
-    :func:`gluon_unsupported_reasons` is empty; elsewhere the fields above.
+    :func:`gluon_unsupported_reasons` is empty; elsewhere the fields above;
+    ``lead`` (with ``gluon``, caches in the model's dtype): the variant of
+    :mod:`vllm.attention.ops.gluon_mla_lead_kernels`, one warpgroup computing every
+    score and the other only applying the probabilities, beside a loader warp.
     """
 
     block_h: int
@@ -72,6 +75,7 @@ class MLADecodeConfig:
     fp8_fp16_dot: bool = True
     heads_as_n: bool = False
     gluon: bool = False
+    lead: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n"):
@@ -249,6 +253,9 @@ GLUON_TILE = 64
 """The Gluon kernel's heads and rows a tile."""
 _GLUON_SMEM = 232448
 """Shared memory a block may use on sm_90 (227 KiB)."""
+_LEAD_MAXNREG = 168
+"""Registers a thread at the lead kernel's launch, before its partitions set their own:
+its 9 warps launch as 12 (whole warpgroups), and an SM has 64 K registers."""
 
 
 @functools.cache
@@ -309,9 +316,10 @@ def takes_gluon(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tens
             and not gluon_unsupported_reasons(q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu))
 
 
-def _gluon_descriptors(cache: torch.Tensor, L: int, R: int) -> tuple[Any, Any]:
-    """Gluon TMA descriptors of the latent ``[64, L]`` and rope ``[64, R]`` blocks of
-    the cache seen as ``[nb * bs, L + R]`` (16-bit, or fp8 as bytes;
+def _gluon_descriptors(cache: torch.Tensor, L: int, R: int,
+                       lat_width: int | None = None) -> tuple[Any, Any]:
+    """Gluon TMA descriptors of the latent ``[64, lat_width]`` (default ``L``) and rope
+    ``[64, R]`` blocks of the cache seen as ``[nb * bs, L + R]`` (16-bit, or fp8 as bytes;
     :func:`gluon_unsupported_reasons` checked that it can be)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -327,13 +335,29 @@ def _gluon_descriptors(cache: torch.Tensor, L: int, R: int) -> tuple[Any, Any]:
         return TensorDescriptor(rows, shape, strides, block,
                                 gl.NVMMASharedLayout.get_default_for(block, dtype))
 
-    return desc(L), desc(R)
+    return desc(lat_width or L), desc(R)
 
 
 def _gluon_kernel() -> Any:
     from vllm.attention.ops.gluon_mla_decode_kernels import mla_decode_gluon_kernel
 
     return mla_decode_gluon_kernel
+
+
+def _lead_kernel() -> Any:
+    from vllm.attention.ops.gluon_mla_lead_kernels import mla_decode_lead_kernel
+
+    return mla_decode_lead_kernel
+
+
+def takes_lead(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tensor,
+               kv_lora_rank: int, rope_dim: int, gpu: GPU | None, *, scale: float) -> bool:
+    """Whether :func:`mla_decode_mma` runs this decode on the lead-warpgroup Gluon
+    kernel: it takes the Gluon kernel (:func:`takes_gluon`), ``cfg.lead`` asks for it,
+    and the cache is in the model's dtype (scaled fp8 caches are widened in shared
+    memory, which only the split-scores kernel has room for)."""
+    return (cfg.lead and kv_cache.dtype == q_dtype
+            and takes_gluon(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu, scale=scale))
 
 
 def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -437,7 +461,18 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         lse_part = torch.empty(t, n, splits, dtype=torch.float32, device=q.device)
         part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2),
                         lse_part.stride(0), lse_part.stride(1))
-    if use_gluon:
+    if use_gluon and takes_lead(cfg, q_lat.dtype, kv_cache, L, R, gpu, scale=scale):
+        # the latent copied in halves, one for each warpgroup's values
+        lat_d, pe_d = _gluon_descriptors(cache, L, R, lat_width=L // 2)
+        _lead_kernel()[(head_tiles, splits, t)](
+            q, qe, lat_d, pe_d, bt, req, pos, out, o_part, lse_part,
+            q.stride(0), q.stride(1), qe.stride(0), qe.stride(1), bt.stride(0),
+            out.stride(0), out.stride(1), *part_strides,
+            n, scale, splits,
+            KV_LORA=L, ROPE=R, PAGE=page, SINGLE=single, BLOCK_H=GLUON_TILE,
+            BLOCK_N=GLUON_TILE, num_warps=4, maxnreg=_LEAD_MAXNREG,
+        )
+    elif use_gluon:
         lat_d, pe_d = _gluon_descriptors(cache, L, R)
         _gluon_kernel()[(head_tiles, splits, t)](
             q, qe, lat_d, pe_d, cache, bt, req, pos,

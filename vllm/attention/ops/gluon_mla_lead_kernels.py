@@ -1,0 +1,343 @@
+"""The dense MLA decode for Hopper (sm_90) with one warpgroup on the scores (Gluon;
+caches in the model's 16-bit dtype; imported on first use).
+
+:mod:`vllm.attention.ops.gluon_mla_decode_kernels` has both warpgroups compute half of
+each 64-key tile's scores (``m64n32`` MMAs): the query, the A operand in shared memory,
+is read by both, 3 KiB of shared memory a k-step for 32 K multiply-adds, more than the
+128 bytes a clock an SM's shared memory gives the tensor cores. Here one warpgroup, the
+lead, computes every score of a tile (``m64n64``: 4 KiB a k-step for 64 K), as
+FlashMLA's first Hopper kernel does, and the other only applies the probabilities:
+
+* a loader warp copies tile ``k`` into buffer ``k % 2`` (the latent in two halves, the
+  rope), once both warpgroups are done with tile ``k - 2``;
+* the lead (the first warpgroup, the output columns ``[0, L / 2)``) runs the score MMAs
+  of tile ``k``, the online softmax on whole rows (no reduction crosses a warpgroup),
+  publishes ``P`` and the rescale factor of its rows in shared memory, and applies
+  ``P`` from registers to its half of the values, waiting for that MMA before the next
+  tile's scores;
+* the follower (the second warpgroup, the columns ``[L / 2, L)``) waits for ``P``,
+  rescales its accumulator and applies ``P`` from shared memory to its half, while the
+  lead goes on to the next tile's scores.
+
+No MMA is left in flight while non-MMA code runs around others: when one was (the lead's
+value MMA across the loop's back edge, under the next score MMAs), ptxas serialised
+every MMA of the kernel (its C7515: a wait after each), and this kernel ran at 208.7 us
+where this schedule was meant to beat the split-scores kernel's 164.5 us
+(``benchmarks/results/h200/2026-12-02-8bb1e4e``). ``tests/mla/test_triton_compile.py``
+fails on such a serialisation.
+
+Both tiles' buffers stay one tile ahead: a tile is in use from the lead's score MMAs
+to the last value MMA, and the next one is copied meanwhile.
+
+Synchronisation (mbarriers): ``kfull[b]`` (buffer ``b`` landed: the copy's bytes),
+``kfree[b]`` (two arrivals: the lead once its value MMA of the tile is done, the
+follower once its own is), ``pfull`` (``P`` and the factors of a tile published),
+``pfree`` (the follower's value MMA, the last reader of ``P``, done), ``lfull`` (the
+row sums, after the last tile). The last tile of a split may be partial: the lead
+zeroes the latent rows past the request's last position in shared memory (a slot past
+it may hold NaN, and a zero probability times NaN is NaN) after its score MMAs, which
+see them masked, and before it publishes ``P``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from vllm.attention.ops.triton_mla_decode_kernels import split_range
+
+jit: Callable[[Callable[..., Any]], Any] = gluon.jit
+"""``gluon.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+FOLLOW_REGS: gl.constexpr = gl.constexpr(192)
+"""Registers a thread of the follower (its ``[64, L / 2]`` float32 accumulator takes 128)."""
+
+
+@jit
+def _load(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor, BT: gl.tensor,
+          req: gl.tensor, start: gl.tensor, n_tiles: gl.tensor, stride_bt: gl.tensor,
+          page: gl.tensor, ka_bufs: gl.shared_memory_descriptor,
+          kp_bufs: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
+          kfree: gl.shared_memory_descriptor) -> None:
+    """The loader warp: tile ``k`` into buffer ``k % 2`` (latent halves
+    ``ka_bufs[2 b]``, ``ka_bufs[2 b + 1]``, rope ``kp_bufs[b]``) once tile ``k - 2``
+    is done with; the block-table entry read before the wait."""
+    BLOCK_N: gl.constexpr = ka_bufs.type.shape[1]
+    HALF: gl.constexpr = ka_bufs.type.shape[2]
+    for k in range(n_tiles):
+        b = k % 2
+        n0 = start + k * BLOCK_N
+        blk = gl.load(BT + req * stride_bt + n0 // page)
+        row = blk * page + n0 % page  # (a TMA coordinate: 32 bits)
+        bar = kfull.index(b)
+        mbarrier.wait(kfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
+        mbarrier.expect(bar, 2 * LAT_DESC.block_type.nbytes + PE_DESC.block_type.nbytes)
+        tma.async_copy_global_to_shared(LAT_DESC, [row, 0], bar, ka_bufs.index(2 * b))
+        tma.async_copy_global_to_shared(LAT_DESC, [row, HALF], bar, ka_bufs.index(2 * b + 1))
+        tma.async_copy_global_to_shared(PE_DESC, [row, 2 * HALF], bar, kp_bufs.index(b))
+
+
+@jit
+def _zero_rows(ka: gl.shared_memory_descriptor, n_valid: gl.tensor, LOAD: gl.constexpr
+               ) -> None:
+    """Rows at or past ``n_valid`` of a latent half-tile in shared memory set to zero,
+    64 columns at a time."""
+    BLOCK_N: gl.constexpr = ka.type.shape[0]
+    HALF: gl.constexpr = ka.type.shape[1]
+    CH: gl.constexpr = 64 if HALF >= 64 else HALF
+    rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, LOAD))
+    keep = (rows < n_valid)[:, None]
+    for c in gl.static_range(HALF // CH):
+        part = ka.slice(c * CH, CH, dim=1)
+        part.store(gl.where(keep, part.load(LOAD), 0.0))
+
+
+@jit
+def _store_half(acc: gl.tensor, l_i: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor,
+                t: gl.tensor, hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor,
+                stride_xt: gl.tensor, stride_xh: gl.tensor, stride_pt: gl.tensor,
+                stride_ph: gl.tensor, stride_ps: gl.tensor, single: gl.tensor,
+                W: gl.constexpr, O_LAYOUT: gl.constexpr) -> None:
+    """Warpgroup ``W``'s half of the output, normalised by the row sums ``l_i``: the
+    output of one split, or the part of a split (masks, not a branch: ``single`` is a
+    run-time value in a partition)."""
+    BLOCK_H: gl.constexpr = acc.type.shape[0]
+    HALF: gl.constexpr = acc.type.shape[1]
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    out = acc * (1.0 / gl.where(l_i > 0.0, l_i, 1.0))[:, None]
+    oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, O_ROWS)
+    oc = W * HALF + gl.arange(0, HALF, gl.SliceLayout(0, O_LAYOUT))
+    omask = (oh < num_heads)[:, None]
+    gl.store(OUT + t * stride_xt + oh[:, None] * stride_xh + oc[None, :],
+             out.to(OUT.dtype.element_ty), mask=omask & single)
+    gl.store(O_PART + t * stride_pt + oh[:, None] * stride_ph + sp * stride_ps + oc[None, :],
+             out, mask=omask & (single == 0))
+
+
+@jit
+def _lead(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
+          ka_bufs: gl.shared_memory_descriptor, kp_bufs: gl.shared_memory_descriptor,
+          p_s: gl.shared_memory_descriptor, a_s: gl.shared_memory_descriptor,
+          l_s: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
+          kfree: gl.shared_memory_descriptor, pfull: gl.shared_memory_descriptor,
+          pfree: gl.shared_memory_descriptor, lfull: gl.shared_memory_descriptor,
+          n_tiles: gl.tensor, n_last: gl.tensor, qk: gl.tensor, OUT: gl.tensor,
+          O_PART: gl.tensor, LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor,
+          sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor, stride_xh: gl.tensor,
+          stride_pt: gl.tensor, stride_ph: gl.tensor, stride_ps: gl.tensor,
+          stride_lt: gl.tensor, stride_lh: gl.tensor, single: gl.tensor) -> None:
+    """The lead warpgroup: every tile's scores and softmax, ``P`` published, its half of
+    the values; then its half of the output, the row sums for the follower, and the
+    log-sum-exp of a split."""
+    BLOCK_N: gl.constexpr = ka_bufs.type.shape[1]
+    HALF: gl.constexpr = ka_bufs.type.shape[2]
+    BLOCK_H: gl.constexpr = q_s.type.shape[1]
+    dtype: gl.constexpr = q_s.dtype
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    S_ROWS: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
+    l_i = gl.zeros([BLOCK_H], gl.float32, S_ROWS)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, S_ROWS)
+    for k in range(n_tiles):
+        b = k % 2
+        mbarrier.wait(kfull.index(b), (k // 2) & 1)
+        s = warpgroup_mma(qp_s, kp_bufs.index(b).permute((1, 0)),
+                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT),
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma(q_s.index(0), ka_bufs.index(2 * b).permute((1, 0)), s,
+                          is_async=True)
+        s = warpgroup_mma(q_s.index(1), ka_bufs.index(2 * b + 1).permute((1, 0)), s,
+                          is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_s, qp_s))[0]
+        n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
+        if n_valid < BLOCK_N:
+            _zero_rows(ka_bufs.index(2 * b), n_valid, LOAD)
+            _zero_rows(ka_bufs.index(2 * b + 1), n_valid, LOAD)
+            keys = gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
+            s = gl.where((keys < n_valid)[None, :], s, float("-inf"))
+        # the maximum of the raw scores, scaled once (qk > 0); P in one FMA an element.
+        # Every tile has a key, so m_new is finite.
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk)
+        p = gl.exp2(gl.fma(s, qk, -m_new[:, None]))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        p16 = p.to(dtype)
+        # the follower's value MMA of tile k - 1 is done with P and its factors
+        mbarrier.wait(pfree.index(0), (k - 1) & 1, pred=k > 0)
+        p_s.store(p16)
+        a_s.store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(pfull.index(0))
+        acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
+        p_a = gl.convert_layout(p16, DOT_A)
+        acc = warpgroup_mma(p_a, ka_bufs.index(2 * b), acc, is_async=True)
+        # waited for here, not across the loop's back edge: with an MMA in flight while
+        # the next score MMAs are issued, ptxas serialises every MMA of the kernel
+        # (C7515, a wait after each)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_a))[0]
+        mbarrier.arrive(kfree.index(b))
+
+    l_s.store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(lfull.index(0))
+    _store_half(acc, gl.convert_layout(l_i, O_ROWS), OUT, O_PART, t, hb, sp, num_heads,
+                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, 0, O_LAYOUT)
+    seen = l_i > 0.0
+    lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+    lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, S_ROWS)
+    gl.store(LSE_PART + t * stride_lt + lh * stride_lh + sp, lse,
+             mask=(lh < num_heads) & (single == 0))
+
+
+@jit
+def _follow(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
+            ka_bufs: gl.shared_memory_descriptor, kp_bufs: gl.shared_memory_descriptor,
+            p_s: gl.shared_memory_descriptor, a_s: gl.shared_memory_descriptor,
+            l_s: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
+            kfree: gl.shared_memory_descriptor, pfull: gl.shared_memory_descriptor,
+            pfree: gl.shared_memory_descriptor, lfull: gl.shared_memory_descriptor,
+            n_tiles: gl.tensor, n_last: gl.tensor, qk: gl.tensor, OUT: gl.tensor,
+            O_PART: gl.tensor, LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor,
+            sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor,
+            stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor,
+            stride_ps: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
+            single: gl.tensor) -> None:
+    """The follower warpgroup: each tile's ``P`` (from the lead) on the second half of
+    the values, then that half of the output."""
+    BLOCK_H: gl.constexpr = q_s.type.shape[1]
+    HALF: gl.constexpr = ka_bufs.type.shape[2]
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
+    for k in range(n_tiles):
+        b = k % 2
+        mbarrier.wait(pfull.index(0), k & 1)
+        # (landed before the lead published P; waited for here too, so this MMA is
+        # ordered after the copy by a barrier of its own)
+        mbarrier.wait(kfull.index(b), (k // 2) & 1)
+        alpha = a_s.load(O_ROWS)
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(p_s, ka_bufs.index(2 * b + 1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_s))[0]
+        # every warp of the warpgroup is done with P, its factors and the buffer
+        gl.thread_barrier()
+        mbarrier.arrive(pfree.index(0))
+        mbarrier.arrive(kfree.index(b))
+
+    mbarrier.wait(lfull.index(0), 0)
+    l_i = l_s.load(O_ROWS)
+    _store_half(acc, l_i, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
+                stride_pt, stride_ph, stride_ps, single, 1, O_LAYOUT)
+
+
+@jit
+def mla_decode_lead_kernel(
+    Q: gl.tensor, Q_PE: gl.tensor, LAT_DESC: tma.tensor_descriptor,
+    PE_DESC: tma.tensor_descriptor, BT: gl.tensor, TOK_REQ: gl.tensor, TOK_POS: gl.tensor,
+    OUT: gl.tensor, O_PART: gl.tensor, LSE_PART: gl.tensor,
+    stride_qt: gl.tensor, stride_qh: gl.tensor, stride_et: gl.tensor, stride_eh: gl.tensor,
+    stride_bt: gl.tensor, stride_xt: gl.tensor, stride_xh: gl.tensor, stride_pt: gl.tensor,
+    stride_ph: gl.tensor, stride_ps: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
+    num_heads: gl.tensor, sm_scale: gl.tensor, num_splits: gl.tensor,
+    KV_LORA: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr, SINGLE: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr,
+) -> None:
+    """One (head tile, split, token) program; grid ``(head tiles, splits, tokens)``;
+    arguments as for :func:`~vllm.attention.ops.gluon_mla_decode_kernels.mla_decode_gluon_kernel`
+    (caches in the model's 16-bit dtype), except that ``LAT_DESC``'s blocks are
+    ``[BLOCK_N, L / 2]``, half the latent. ``num_warps`` 4: the lead warpgroup; the
+    follower and the loader warp are the partitions' own."""
+    gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
+    gl.static_assert(PAGE % BLOCK_N == 0, "a tile inside one page")
+    gl.static_assert(BLOCK_H == 64, "the M of a warpgroup MMA")
+    dtype: gl.constexpr = Q.dtype.element_ty
+    HALF: gl.constexpr = KV_LORA // 2
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    CH: gl.constexpr = 128 if HALF >= 128 else HALF
+    F32_ROW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    hb = gl.program_id(0)
+    sp = gl.program_id(1)
+    t = gl.program_id(2).to(gl.int64)  # offsets of t can pass 2**31
+    req = gl.load(TOK_REQ + t).to(gl.int64)
+    n_keys = gl.load(TOK_POS + t) + 1
+    start, end = split_range(n_keys, num_splits, sp, BLOCK_N)
+    n_tiles = gl.cdiv(end - start, BLOCK_N)
+    n_last = end - start - (n_tiles - 1) * BLOCK_N  # rows of the last tile
+
+    # two buffers of a tile each: [buffer * 2 + half] latent halves, [buffer] rope
+    ka_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_N, HALF], LAT_DESC.layout)
+    kp_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], PE_DESC.layout)
+    p_s = gl.allocate_shared_memory(
+        dtype, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N],
+                                                                        dtype))
+    a_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
+    l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
+    kfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pfull = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    pfree = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    lfull = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kfull.index(i), count=1)
+        mbarrier.init(kfree.index(i), count=2)
+    mbarrier.init(pfull.index(0), count=1)
+    mbarrier.init(pfree.index(0), count=1)
+    mbarrier.init(lfull.index(0), count=1)
+
+    # the query in halves of the latent (the score MMAs' A operands), and the rope part
+    q_s = gl.allocate_shared_memory(
+        dtype, [2, BLOCK_H, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF],
+                                                                        dtype))
+    qp_s = gl.allocate_shared_memory(
+        dtype, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype))
+    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LOAD))
+    mask_h = (offs_h < num_heads)[:, None]
+    cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
+    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    for h in gl.static_range(2):
+        for c in gl.static_range(HALF // CH):
+            q_s.index(h).slice(c * CH, CH, dim=1).store(
+                gl.load(q_row + h * HALF + c * CH + cols[None, :], mask=mask_h, other=0.0))
+    offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
+    qp_s.store(gl.load(Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :],
+                       mask=mask_h, other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()
+    qk = sm_scale * LOG2E
+    # a partition's arguments are run-time values: the compile-time flag as a scalar
+    single = (n_tiles * 0 + SINGLE) != 0
+
+    args = (q_s, qp_s, ka_bufs, kp_bufs, p_s, a_s, l_s, kfull, kfree, pfull, pfree, lfull,
+            n_tiles, n_last, qk, OUT, O_PART, LSE_PART, t, hb, sp, num_heads, stride_xt,
+            stride_xh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, single)
+    page = n_tiles * 0 + PAGE
+    largs = (LAT_DESC, PE_DESC, BT, req, start, n_tiles, stride_bt, page, ka_bufs, kp_bufs,
+             kfull, kfree)
+    gl.warp_specialize([
+        (_lead, args),
+        (_follow, args),
+        (_load, largs),
+    ], [4, 1], [FOLLOW_REGS, 24])
