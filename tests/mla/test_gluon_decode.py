@@ -102,6 +102,7 @@ def _case(heads: int, dtype: torch.dtype, cache_dtype: str, seed: int) -> dict[s
 @pytest.mark.parametrize("heads", [16, 20, 128, 130])
 @pytest.mark.parametrize("dtype, cache_dtype, lead", [
     (torch.bfloat16, "auto", True), (torch.float16, "auto", True),
+    (torch.bfloat16, "fp8", True), (torch.float16, "fp8_e5m2", True),
     (torch.bfloat16, "auto", False), (torch.float16, "auto", False),
     (torch.bfloat16, "fp8", False), (torch.float16, "fp8_e5m2", False)],
     ids=lambda x: str(x).replace("torch.", "") if not isinstance(x, bool)
@@ -118,7 +119,7 @@ def test_gluon_against_float64(dtype: torch.dtype, cache_dtype: str, lead: bool,
     gpu = tmd.gpu_of(cache.device)
     assert tmd.gluon_unsupported_reasons(dtype, cache, L, R, gpu) == []
     cfg = dataclasses.replace(tmd.default_config(dtype, gpu), lead=lead)
-    # the default takes the lead-warpgroup kernel for caches in the model's dtype
+    # the default takes the lead-warpgroup kernel (and lead=False the split-scores one)
     assert tmd.takes_lead(cfg, dtype, cache, L, R, gpu, scale=1.0) == lead
     before = cache.view(torch.uint8).clone()
     fp8 = cache_dtype in FP8

@@ -54,7 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from vllm.attention.ops.triton_mla_decode_kernels import split_range
+from vllm.attention.ops.gluon_mla_decode_kernels import _widen
+from vllm.attention.ops.triton_mla_decode_kernels import fp16_row_powers, split_range
 
 jit: Callable[[Callable[..., Any]], Any] = gluon.jit
 """``gluon.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
@@ -62,6 +63,11 @@ jit: Callable[[Callable[..., Any]], Any] = gluon.jit
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 FOLLOW_REGS: gl.constexpr = gl.constexpr(192)
 """Registers a thread of the follower (its ``[64, L / 2]`` float32 accumulator takes 128)."""
+FOLLOW_REGS_FP8: gl.constexpr = gl.constexpr(168)
+"""The follower's registers beside the widening warpgroup of an fp8 cache."""
+WIDEN_REGS: gl.constexpr = gl.constexpr(112)
+"""Registers a thread of the widening warpgroup: a tile's bytes in flight (72) and one
+widened chunk."""
 
 
 @jit
@@ -89,6 +95,77 @@ def _load(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor, BT: g
 
 
 @jit
+def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end: gl.tensor,
+             n_tiles: gl.tensor, stride_bt: gl.tensor, stride_cb: gl.tensor,
+             stride_cs: gl.tensor, page: gl.tensor, ka_bufs: gl.shared_memory_descriptor,
+             kp_bufs: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
+             kfree: gl.shared_memory_descriptor, FP8: gl.constexpr) -> None:
+    """The widening warpgroup of an fp8 cache (``FP8`` 1: E4M3, 2: E5M2): tile ``k``'s
+    bytes loaded into registers, then, once both warpgroups are done with tile ``k - 2``,
+    widened exactly to float16 into buffer ``k % 2`` (the layout of the loader's copies);
+    rows at or past ``end`` as zeros (their bytes may be anything, NaN too)."""
+    BLOCK_N: gl.constexpr = ka_bufs.type.shape[1]
+    HALF: gl.constexpr = ka_bufs.type.shape[2]
+    ROPE: gl.constexpr = kp_bufs.type.shape[2]
+    CH: gl.constexpr = 128 if HALF >= 128 else HALF
+    NCH: gl.constexpr = HALF // CH
+    BYTES: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, BYTES))
+    cols = gl.arange(0, CH, gl.SliceLayout(0, BYTES))
+    cols_r = gl.arange(0, ROPE, gl.SliceLayout(0, BYTES))
+    for k in range(n_tiles):
+        b = k % 2
+        n0 = start + k * BLOCK_N
+        blk = gl.load(BT + req * stride_bt + n0 // page).to(gl.int64)
+        base = (C + blk * stride_cb + (n0 % page).to(gl.int64) * stride_cs
+                + rows[:, None] * stride_cs)
+        valid = (n0 + rows < end)[:, None]
+        # every load of the tile issued before the wait for its buffer
+        x0 = gl.load(base + cols[None, :], mask=valid, other=0)
+        x1 = gl.load(base + CH + cols[None, :], mask=valid, other=0)
+        if NCH == 2:
+            x2 = gl.load(base + 2 * CH + cols[None, :], mask=valid, other=0)
+            x3 = gl.load(base + 3 * CH + cols[None, :], mask=valid, other=0)
+        xr = gl.load(base + 2 * HALF + cols_r[None, :], mask=valid, other=0)
+        mbarrier.wait(kfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
+        if NCH == 2:
+            ka_bufs.index(2 * b).slice(0, CH, dim=1).store(_widen(x0, FP8))
+            ka_bufs.index(2 * b).slice(CH, CH, dim=1).store(_widen(x1, FP8))
+            ka_bufs.index(2 * b + 1).slice(0, CH, dim=1).store(_widen(x2, FP8))
+            ka_bufs.index(2 * b + 1).slice(CH, CH, dim=1).store(_widen(x3, FP8))
+        else:
+            ka_bufs.index(2 * b).store(_widen(x0, FP8))
+            ka_bufs.index(2 * b + 1).store(_widen(x1, FP8))
+        kp_bufs.index(b).store(_widen(xr, FP8))
+        # visible to the MMAs (the async proxy), every warp's, before the arrival
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(kfull.index(b))
+
+
+@jit
+def _widen_e4m3(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor,
+                end: gl.tensor, n_tiles: gl.tensor, stride_bt: gl.tensor,
+                stride_cb: gl.tensor, stride_cs: gl.tensor, page: gl.tensor,
+                ka_bufs: gl.shared_memory_descriptor, kp_bufs: gl.shared_memory_descriptor,
+                kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor
+                ) -> None:
+    _widener(C, BT, req, start, end, n_tiles, stride_bt, stride_cb, stride_cs, page, ka_bufs,
+             kp_bufs, kfull, kfree, 1)
+
+
+@jit
+def _widen_e5m2(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor,
+                end: gl.tensor, n_tiles: gl.tensor, stride_bt: gl.tensor,
+                stride_cb: gl.tensor, stride_cs: gl.tensor, page: gl.tensor,
+                ka_bufs: gl.shared_memory_descriptor, kp_bufs: gl.shared_memory_descriptor,
+                kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor
+                ) -> None:
+    _widener(C, BT, req, start, end, n_tiles, stride_bt, stride_cb, stride_cs, page, ka_bufs,
+             kp_bufs, kfull, kfree, 2)
+
+
+@jit
 def _zero_rows(ka: gl.shared_memory_descriptor, n_valid: gl.tensor, LOAD: gl.constexpr
                ) -> None:
     """Rows at or past ``n_valid`` of a latent half-tile in shared memory set to zero,
@@ -108,14 +185,14 @@ def _store_half(acc: gl.tensor, l_i: gl.tensor, OUT: gl.tensor, O_PART: gl.tenso
                 t: gl.tensor, hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor,
                 stride_xt: gl.tensor, stride_xh: gl.tensor, stride_pt: gl.tensor,
                 stride_ph: gl.tensor, stride_ps: gl.tensor, single: gl.tensor,
-                W: gl.constexpr, O_LAYOUT: gl.constexpr) -> None:
+                oscale: gl.tensor, W: gl.constexpr, O_LAYOUT: gl.constexpr) -> None:
     """Warpgroup ``W``'s half of the output, normalised by the row sums ``l_i``: the
     output of one split, or the part of a split (masks, not a branch: ``single`` is a
-    run-time value in a partition)."""
+    run-time value in a partition); ``oscale`` multiplies it (an fp8 cache's scale)."""
     BLOCK_H: gl.constexpr = acc.type.shape[0]
     HALF: gl.constexpr = acc.type.shape[1]
     O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-    out = acc * (1.0 / gl.where(l_i > 0.0, l_i, 1.0))[:, None]
+    out = acc * (oscale / gl.where(l_i > 0.0, l_i, 1.0))[:, None]
     oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, O_ROWS)
     oc = W * HALF + gl.arange(0, HALF, gl.SliceLayout(0, O_LAYOUT))
     omask = (oh < num_heads)[:, None]
@@ -132,11 +209,12 @@ def _lead(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
           l_s: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
           kfree: gl.shared_memory_descriptor, pfull: gl.shared_memory_descriptor,
           pfree: gl.shared_memory_descriptor, lfull: gl.shared_memory_descriptor,
-          n_tiles: gl.tensor, n_last: gl.tensor, qk: gl.tensor, OUT: gl.tensor,
-          O_PART: gl.tensor, LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor,
-          sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor, stride_xh: gl.tensor,
-          stride_pt: gl.tensor, stride_ph: gl.tensor, stride_ps: gl.tensor,
-          stride_lt: gl.tensor, stride_lh: gl.tensor, single: gl.tensor) -> None:
+          n_tiles: gl.tensor, n_last: gl.tensor, qk_s: gl.shared_memory_descriptor,
+          oscale: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor, LSE_PART: gl.tensor,
+          t: gl.tensor, hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor,
+          stride_xt: gl.tensor, stride_xh: gl.tensor, stride_pt: gl.tensor,
+          stride_ph: gl.tensor, stride_ps: gl.tensor, stride_lt: gl.tensor,
+          stride_lh: gl.tensor, single: gl.tensor) -> None:
     """The lead warpgroup: every tile's scores and softmax, ``P`` published, its half of
     the values; then its half of the output, the row sums for the follower, and the
     log-sum-exp of a split."""
@@ -156,6 +234,7 @@ def _lead(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
     l_i = gl.zeros([BLOCK_H], gl.float32, S_ROWS)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, S_ROWS)
+    qk = qk_s.load(S_ROWS)  # what turns a head's raw scores into base-2 logits (> 0)
     for k in range(n_tiles):
         b = k % 2
         mbarrier.wait(kfull.index(b), (k // 2) & 1)
@@ -176,7 +255,7 @@ def _lead(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
         # the maximum of the raw scores, scaled once (qk > 0); P in one FMA an element.
         # Every tile has a key, so m_new is finite.
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk)
-        p = gl.exp2(gl.fma(s, qk, -m_new[:, None]))
+        p = gl.exp2(gl.fma(s, qk[:, None], -m_new[:, None]))
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
@@ -201,7 +280,8 @@ def _lead(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
     gl.thread_barrier()
     mbarrier.arrive(lfull.index(0))
     _store_half(acc, gl.convert_layout(l_i, O_ROWS), OUT, O_PART, t, hb, sp, num_heads,
-                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, 0, O_LAYOUT)
+                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0,
+                O_LAYOUT)
     seen = l_i > 0.0
     lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
     lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, S_ROWS)
@@ -216,12 +296,12 @@ def _follow(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
             l_s: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
             kfree: gl.shared_memory_descriptor, pfull: gl.shared_memory_descriptor,
             pfree: gl.shared_memory_descriptor, lfull: gl.shared_memory_descriptor,
-            n_tiles: gl.tensor, n_last: gl.tensor, qk: gl.tensor, OUT: gl.tensor,
-            O_PART: gl.tensor, LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor,
-            sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor,
-            stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor,
-            stride_ps: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
-            single: gl.tensor) -> None:
+            n_tiles: gl.tensor, n_last: gl.tensor, qk_s: gl.shared_memory_descriptor,
+            oscale: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor, LSE_PART: gl.tensor,
+            t: gl.tensor, hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor,
+            stride_xt: gl.tensor, stride_xh: gl.tensor, stride_pt: gl.tensor,
+            stride_ph: gl.tensor, stride_ps: gl.tensor, stride_lt: gl.tensor,
+            stride_lh: gl.tensor, single: gl.tensor) -> None:
     """The follower warpgroup: each tile's ``P`` (from the lead) on the second half of
     the values, then that half of the output."""
     BLOCK_H: gl.constexpr = q_s.type.shape[1]
@@ -249,30 +329,38 @@ def _follow(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
     mbarrier.wait(lfull.index(0), 0)
     l_i = l_s.load(O_ROWS)
     _store_half(acc, l_i, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
-                stride_pt, stride_ph, stride_ps, single, 1, O_LAYOUT)
+                stride_pt, stride_ph, stride_ps, single, oscale, 1, O_LAYOUT)
 
 
 @jit
 def mla_decode_lead_kernel(
     Q: gl.tensor, Q_PE: gl.tensor, LAT_DESC: tma.tensor_descriptor,
-    PE_DESC: tma.tensor_descriptor, BT: gl.tensor, TOK_REQ: gl.tensor, TOK_POS: gl.tensor,
-    OUT: gl.tensor, O_PART: gl.tensor, LSE_PART: gl.tensor,
+    PE_DESC: tma.tensor_descriptor, C: gl.tensor, BT: gl.tensor, TOK_REQ: gl.tensor,
+    TOK_POS: gl.tensor, K_SCALE: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor,
+    LSE_PART: gl.tensor,
     stride_qt: gl.tensor, stride_qh: gl.tensor, stride_et: gl.tensor, stride_eh: gl.tensor,
-    stride_bt: gl.tensor, stride_xt: gl.tensor, stride_xh: gl.tensor, stride_pt: gl.tensor,
-    stride_ph: gl.tensor, stride_ps: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
+    stride_cb: gl.tensor, stride_cs: gl.tensor, stride_bt: gl.tensor, stride_xt: gl.tensor,
+    stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor, stride_ps: gl.tensor,
+    stride_lt: gl.tensor, stride_lh: gl.tensor,
     num_heads: gl.tensor, sm_scale: gl.tensor, num_splits: gl.tensor,
-    KV_LORA: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr, SINGLE: gl.constexpr,
-    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr,
+    KV_LORA: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr, FP8: gl.constexpr,
+    SINGLE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    num_warps: gl.constexpr,
 ) -> None:
     """One (head tile, split, token) program; grid ``(head tiles, splits, tokens)``;
-    arguments as for :func:`~vllm.attention.ops.gluon_mla_decode_kernels.mla_decode_gluon_kernel`
-    (caches in the model's 16-bit dtype), except that ``LAT_DESC``'s blocks are
-    ``[BLOCK_N, L / 2]``, half the latent. ``num_warps`` 4: the lead warpgroup; the
-    follower and the loader warp are the partitions' own."""
+    arguments as for :func:`~vllm.attention.ops.gluon_mla_decode_kernels.mla_decode_gluon_kernel`,
+    except that ``LAT_DESC``'s blocks are ``[BLOCK_N, L / 2]``, half the latent (used for
+    16-bit caches only). ``num_warps`` 4: the lead warpgroup; the follower and the loader
+    (a warp copying tiles of a 16-bit cache, a warpgroup widening those of an fp8 one,
+    ``FP8`` 1: E4M3, 2: E5M2) are the partitions' own.
+
+    fp8: the dots run in float16 on the stored values, as in the split-scores kernel: the
+    query scaled into float16 a head at a time by a power of two, that power and
+    ``K_SCALE`` multiplying the scores, ``K_SCALE`` the output."""
     gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
     gl.static_assert(PAGE % BLOCK_N == 0, "a tile inside one page")
     gl.static_assert(BLOCK_H == 64, "the M of a warpgroup MMA")
-    dtype: gl.constexpr = Q.dtype.element_ty
+    dtype: gl.constexpr = gl.float16 if FP8 != 0 else Q.dtype.element_ty
     HALF: gl.constexpr = KV_LORA // 2
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     CH: gl.constexpr = 128 if HALF >= 128 else HALF
@@ -288,13 +376,22 @@ def mla_decode_lead_kernel(
     n_last = end - start - (n_tiles - 1) * BLOCK_N  # rows of the last tile
 
     # two buffers of a tile each: [buffer * 2 + half] latent halves, [buffer] rope
-    ka_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_N, HALF], LAT_DESC.layout)
-    kp_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], PE_DESC.layout)
+    if FP8 != 0:
+        ka_bufs = gl.allocate_shared_memory(
+            dtype, [4, BLOCK_N, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF],
+                                                                            dtype))
+        kp_bufs = gl.allocate_shared_memory(
+            dtype, [2, BLOCK_N, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE],
+                                                                            dtype))
+    else:
+        ka_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_N, HALF], LAT_DESC.layout)
+        kp_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], PE_DESC.layout)
     p_s = gl.allocate_shared_memory(
         dtype, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N],
                                                                         dtype))
     a_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
     l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
+    qk_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
     kfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     pfull = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -317,27 +414,64 @@ def mla_decode_lead_kernel(
     mask_h = (offs_h < num_heads)[:, None]
     cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
     q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    for h in gl.static_range(2):
-        for c in gl.static_range(HALF // CH):
-            q_s.index(h).slice(c * CH, CH, dim=1).store(
-                gl.load(q_row + h * HALF + c * CH + cols[None, :], mask=mask_h, other=0.0))
     offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
-    qp_s.store(gl.load(Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :],
-                       mask=mask_h, other=0.0))
+    qp_ptr = Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :]
+    qk = gl.full([BLOCK_H], sm_scale * LOG2E, gl.float32, gl.SliceLayout(1, LOAD))
+    oscale = sm_scale * 0.0 + 1.0
+    if FP8 != 0:
+        # a head's largest magnitude first (a pass over the query), then the query in
+        # float16 scaled by the power of two fp16_row_powers gives
+        amax = gl.max(gl.abs(gl.load(qp_ptr, mask=mask_h, other=0.0).to(gl.float32)), 1)
+        for c in gl.static_range(KV_LORA // CH):
+            x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
+            amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), 1))
+        down, up = fp16_row_powers(amax)
+        oscale = gl.load(K_SCALE)
+        qk = qk * oscale * up
+        for c in gl.static_range(KV_LORA // CH):
+            x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
+            q_s.index(c * CH // HALF).slice(c * CH % HALF, CH, dim=1).store(
+                (x.to(gl.float32) * down[:, None]).to(dtype))
+        x = gl.load(qp_ptr, mask=mask_h, other=0.0)
+        qp_s.store((x.to(gl.float32) * down[:, None]).to(dtype))
+    else:
+        for h in gl.static_range(2):
+            for c in gl.static_range(HALF // CH):
+                q_s.index(h).slice(c * CH, CH, dim=1).store(
+                    gl.load(q_row + h * HALF + c * CH + cols[None, :], mask=mask_h,
+                            other=0.0))
+        qp_s.store(gl.load(qp_ptr, mask=mask_h, other=0.0))
+    qk_s.store(qk)
     fence_async_shared()
     gl.thread_barrier()
-    qk = sm_scale * LOG2E
     # a partition's arguments are run-time values: the compile-time flag as a scalar
     single = (n_tiles * 0 + SINGLE) != 0
 
     args = (q_s, qp_s, ka_bufs, kp_bufs, p_s, a_s, l_s, kfull, kfree, pfull, pfree, lfull,
-            n_tiles, n_last, qk, OUT, O_PART, LSE_PART, t, hb, sp, num_heads, stride_xt,
-            stride_xh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, single)
+            n_tiles, n_last, qk_s, oscale, OUT, O_PART, LSE_PART, t, hb, sp, num_heads,
+            stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+            single)
     page = n_tiles * 0 + PAGE
-    largs = (LAT_DESC, PE_DESC, BT, req, start, n_tiles, stride_bt, page, ka_bufs, kp_bufs,
-             kfull, kfree)
-    gl.warp_specialize([
-        (_lead, args),
-        (_follow, args),
-        (_load, largs),
-    ], [4, 1], [FOLLOW_REGS, 24])
+    if FP8 == 0:
+        largs = (LAT_DESC, PE_DESC, BT, req, start, n_tiles, stride_bt, page, ka_bufs,
+                 kp_bufs, kfull, kfree)
+        gl.warp_specialize([
+            (_lead, args),
+            (_follow, args),
+            (_load, largs),
+        ], [4, 1], [FOLLOW_REGS, 24])
+    else:
+        wargs = (C, BT, req, start, end, n_tiles, stride_bt, stride_cb, stride_cs, page,
+                 ka_bufs, kp_bufs, kfull, kfree)
+        if FP8 == 1:
+            gl.warp_specialize([
+                (_lead, args),
+                (_follow, args),
+                (_widen_e4m3, wargs),
+            ], [4, 4], [FOLLOW_REGS_FP8, WIDEN_REGS])
+        else:
+            gl.warp_specialize([
+                (_lead, args),
+                (_follow, args),
+                (_widen_e5m2, wargs),
+            ], [4, 4], [FOLLOW_REGS_FP8, WIDEN_REGS])

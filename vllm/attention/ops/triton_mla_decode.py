@@ -353,10 +353,10 @@ def _lead_kernel() -> Any:
 def takes_lead(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tensor,
                kv_lora_rank: int, rope_dim: int, gpu: GPU | None, *, scale: float) -> bool:
     """Whether :func:`mla_decode_mma` runs this decode on the lead-warpgroup Gluon
-    kernel: it takes the Gluon kernel (:func:`takes_gluon`), ``cfg.lead`` asks for it,
-    and the cache is in the model's dtype (scaled fp8 caches are widened in shared
-    memory, which only the split-scores kernel has room for)."""
-    return (cfg.lead and kv_cache.dtype == q_dtype
+    kernel: it takes the Gluon kernel (:func:`takes_gluon`) and ``cfg.lead`` asks for it
+    (caches in the model's dtype, copied by a loader warp, and scaled fp8 ones, widened
+    to float16 by a warpgroup of their own)."""
+    return (cfg.lead
             and takes_gluon(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu, scale=scale))
 
 
@@ -465,11 +465,13 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         # the latent copied in halves, one for each warpgroup's values
         lat_d, pe_d = _gluon_descriptors(cache, L, R, lat_width=L // 2)
         _lead_kernel()[(head_tiles, splits, t)](
-            q, qe, lat_d, pe_d, bt, req, pos, out, o_part, lse_part,
-            q.stride(0), q.stride(1), qe.stride(0), qe.stride(1), bt.stride(0),
+            q, qe, lat_d, pe_d, cache, bt, req, pos,
+            fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,
+            q.stride(0), q.stride(1), qe.stride(0), qe.stride(1),
+            cache.stride(0), cache.stride(1), bt.stride(0),
             out.stride(0), out.stride(1), *part_strides,
             n, scale, splits,
-            KV_LORA=L, ROPE=R, PAGE=page, SINGLE=single, BLOCK_H=GLUON_TILE,
+            KV_LORA=L, ROPE=R, PAGE=page, FP8=fp8, SINGLE=single, BLOCK_H=GLUON_TILE,
             BLOCK_N=GLUON_TILE, num_warps=4, maxnreg=_LEAD_MAXNREG,
         )
     elif use_gluon:

@@ -103,6 +103,19 @@ def split_range(n_keys: tl.tensor, num_splits: tl.tensor, sp: tl.tensor,
 
 
 @jit
+def fp16_row_powers(amax: tl.tensor) -> tl.tensor:  # (down, up)
+    """For rows whose largest magnitude is ``amax`` (float32, ``[M]``): ``down = 2**-e``,
+    which puts that magnitude in ``[2**14, 2**15)``, and ``up = 2**e``. ``floor(log2)``
+    comes from the exponent bits; ``e`` is clamped so that both are normal float32
+    numbers (a zero row, padding, gets ``2**100`` and stays zero)."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 14
+    e = tl.minimum(tl.maximum(e, -100), 100)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + e) << 23).to(tl.float32, bitcast=True)
+    return down, up
+
+
+@jit
 def query_as_fp16(q_a: tl.tensor, q_b: tl.tensor, q_pe: tl.tensor,
                    LAT_CHUNKS: tl.constexpr) -> tl.tensor:  # (q_a, q_b, q_pe, scale)
     """The query rows in float16, each scaled by the power of two ``2**-e`` that puts
@@ -114,12 +127,8 @@ def query_as_fp16(q_a: tl.tensor, q_b: tl.tensor, q_pe: tl.tensor,
     if LAT_CHUNKS == 2:
         amax = tl.maximum(amax, tl.max(tl.abs(q_b.to(tl.float32)), 1))
     amax = tl.maximum(amax, tl.max(tl.abs(q_pe.to(tl.float32)), 1))
-    # floor(log2(amax)) from the exponent bits; clamped so that both powers of two are
-    # normal float32 numbers (a zero row, padding, gets 2**100 and stays zero)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 14
-    e = tl.minimum(tl.maximum(e, -100), 100)
-    down = ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]
-    up = ((127 + e) << 23).to(tl.float32, bitcast=True)
+    down, up = fp16_row_powers(amax)
+    down = down[:, None]
     q_a = (q_a.to(tl.float32) * down).to(tl.float16)
     if LAT_CHUNKS == 2:
         q_b = (q_b.to(tl.float32) * down).to(tl.float16)
