@@ -113,8 +113,8 @@ def as_gpu(gpu: writer_device.GPU, env: dict[str, str] | None = None) -> Iterato
 
 def _sig(fn: Any, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[str, Any], dict]:
     names = list(fn.arg_names)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion")
-               if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion",
+                                          "maxnreg") if k in kwargs}
     sig: dict[str, str] = {}
     consts: dict[str, Any] = {}
     for name, arg in zip(names, args):
@@ -194,6 +194,7 @@ def record_paged(target: Target) -> list[Call]:
 
 def record_mla(target: Target) -> list[Call]:
     from vllm.attention.ops import gluon_mla_decode_kernels as gkern
+    from vllm.attention.ops import gluon_mla_lead_kernels as lkern
     from vllm.attention.ops import triton_mla, triton_mla_decode
     from vllm.attention.ops import triton_mla_decode_kernels as dkern
     from vllm.attention.ops import triton_mla_kernels as kern
@@ -213,6 +214,8 @@ def record_mla(target: Target) -> list[Call]:
             patched(triton_mla_decode, _kernels=lambda interp: drec,
                     _gluon_kernel=lambda: Recorder("mla_decode_gluon",
                                                    gkern.mla_decode_gluon_kernel, calls),
+                    _lead_kernel=lambda: Recorder("mla_decode_lead",
+                                                  lkern.mla_decode_lead_kernel, calls),
                     _interpreting=lambda: False,
                     _device_facts=lambda device: (132, target.gpu)):
         for cdt, storage, width in (("auto", torch.bfloat16, 576),
@@ -227,11 +230,14 @@ def record_mla(target: Target) -> list[Call]:
                 q128 = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
                 triton_mla.mla_decode_triton(q128, cache, bt, req, pos, fmt, scale=0.1,
                                              max_seq_len=101)
-                # the Triton kernel where the default is the Gluon one (sm_90, 16-bit)
+                # the Triton kernel where the default is a Gluon one (sm_90, 16-bit),
+                # and the split-scores Gluon kernel where the default is the lead one
                 cfg = triton_mla_decode.default_config(torch.bfloat16, target.gpu)
-                triton_mla_decode.mla_decode_mma(
-                    q128, cache, bt, req, pos, fmt, scale=0.1, max_seq_len=101,
-                    config=dataclasses.replace(cfg, gluon=False))
+                for other in (dataclasses.replace(cfg, gluon=False),
+                              dataclasses.replace(cfg, lead=False)):
+                    triton_mla_decode.mla_decode_mma(
+                        q128, cache, bt, req, pos, fmt, scale=0.1, max_seq_len=101,
+                        config=other)
             topk = torch.zeros(2, 64, dtype=torch.int32)
             triton_mla.mla_sparse_triton(q, cache, topk, req, pos, bt, fmt, scale=0.1)
     return calls
