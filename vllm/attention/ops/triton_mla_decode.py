@@ -461,10 +461,14 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         lse_part = torch.empty(t, n, splits, dtype=torch.float32, device=q.device)
         part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2),
                         lse_part.stride(0), lse_part.stride(1))
-    if use_gluon and takes_lead(cfg, q_lat.dtype, kv_cache, L, R, gpu, scale=scale):
-        # the latent copied in halves, one for each warpgroup's values
-        lat_d, pe_d = _gluon_descriptors(cache, L, R, lat_width=L // 2)
-        _lead_kernel()[(head_tiles, splits, t)](
+    if use_gluon:
+        # both Gluon kernels take the same arguments; the lead-warpgroup one copies the
+        # latent in halves, one for each warpgroup's values
+        lead = takes_lead(cfg, q_lat.dtype, kv_cache, L, R, gpu, scale=scale)
+        lat_d, pe_d = _gluon_descriptors(cache, L, R, lat_width=L // 2 if lead else None)
+        kernel, launch = ((_lead_kernel(), {"num_warps": 4, "maxnreg": _LEAD_MAXNREG})
+                          if lead else (_gluon_kernel(), {"num_warps": 8}))
+        kernel[(head_tiles, splits, t)](
             q, qe, lat_d, pe_d, cache, bt, req, pos,
             fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,
             q.stride(0), q.stride(1), qe.stride(0), qe.stride(1),
@@ -472,19 +476,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
             out.stride(0), out.stride(1), *part_strides,
             n, scale, splits,
             KV_LORA=L, ROPE=R, PAGE=page, FP8=fp8, SINGLE=single, BLOCK_H=GLUON_TILE,
-            BLOCK_N=GLUON_TILE, num_warps=4, maxnreg=_LEAD_MAXNREG,
-        )
-    elif use_gluon:
-        lat_d, pe_d = _gluon_descriptors(cache, L, R)
-        _gluon_kernel()[(head_tiles, splits, t)](
-            q, qe, lat_d, pe_d, cache, bt, req, pos,
-            fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,
-            q.stride(0), q.stride(1), qe.stride(0), qe.stride(1),
-            cache.stride(0), cache.stride(1), bt.stride(0),
-            out.stride(0), out.stride(1), *part_strides,
-            n, scale, splits,
-            KV_LORA=L, ROPE=R, PAGE=page, FP8=fp8, SINGLE=single, BLOCK_H=GLUON_TILE,
-            BLOCK_N=GLUON_TILE, num_warps=8,
+            BLOCK_N=GLUON_TILE, **launch,
         )
     else:
         _launch_triton(q, qe, cache, bt, req, pos, out, o_part, lse_part, part_strides, fmt,
