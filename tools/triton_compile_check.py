@@ -27,7 +27,9 @@ import dataclasses
 import multiprocessing
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -397,6 +399,22 @@ def _ptx_problem(consts: dict[str, Any], name: str, ptx: str) -> str | None:
     return None
 
 
+def wgmma_serialised(ptx: str) -> bool:
+    """Whether ptxas serialises the warpgroup MMAs of this sm_90 PTX: its performance
+    notes C7514 / C7515, given when code other than MMAs touches an accumulator's
+    registers while an MMA group may be in flight; every MMA of the kernel then waits
+    for the one before (the MLA decode's lead-warpgroup kernel ran 1.6 x slower so)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                         "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o",
+                              os.path.join(d, "k.cubin")], capture_output=True, text=True)
+    return "instructions are serialized" in out.stdout + out.stderr
+
+
 def problem(target: Target, group: str, name: str, consts: dict[str, Any],
             asm: dict[str, Any]) -> str | None:
     """What must hold for a compiled launch (None when it does)."""
@@ -409,6 +427,9 @@ def problem(target: Target, group: str, name: str, consts: dict[str, Any],
                 return f"hardware fp8 conversion chosen on {target.name}"
         if target.gpu.vendor == "nvidia":
             return _ptx_problem(consts, name, asm["ptx"])
+    if target.gpu.vendor == "nvidia" and target.gpu.capability == (9, 0) \
+            and "wgmma.mma_async" in asm["ptx"] and wgmma_serialised(asm["ptx"]):
+        return "ptxas serialises its warpgroup MMAs (C7514/C7515: a wait after each)"
     if target.gpu.vendor == "amd":
         # inline assembly in the LLVM IR: PTX the AMD backend would reject, or worse
         if re.search(r"\basm\s+(sideeffect\s+)?\"", asm["llir"]):

@@ -105,16 +105,8 @@ def spill_bytes(cubin):
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
     return int(m.group(1)), int(m.group(2)) + int(m.group(3))
 
-def serialized_mmas(ptx):
-    # ptxas reports (C7514/C7515) when it serialises every warpgroup MMA of a kernel,
-    # a wait after each, for registers of an MMA in flight touched by other code
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        out = subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", "-v", src, "-o",
-                              os.path.join(d, "k.cubin")], capture_output=True, text=True)
-    return "instructions are serialized" in out.stdout + out.stderr
+sys.path.insert(0, "tools")
+from triton_compile_check import wgmma_serialised  # ptxas' C7514/C7515 notes
 
 calls = []
 class Rec:
@@ -164,7 +156,7 @@ for cap in (80, 90, 100):
                     name += f" regs={regs}"
                     if spilled:
                         bad.append(f"{spilled} bytes of stack/local (register spills)")
-                    if "wgmma" in ptx and serialized_mmas(ptx):
+                    if "wgmma" in ptx and wgmma_serialised(ptx):
                         bad.append("ptxas serialised the warpgroup MMAs")
                 failures += bool(bad)
                 print(("FAIL " if bad else "compiled ") + name, *bad, flush=True)
