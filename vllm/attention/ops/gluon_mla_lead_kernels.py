@@ -1,5 +1,5 @@
 """The dense MLA decode for Hopper (sm_90) with one warpgroup on the scores (Gluon;
-caches in the model's 16-bit dtype; imported on first use).
+caches in the model's 16-bit dtype or scaled fp8; imported on first use).
 
 :mod:`vllm.attention.ops.gluon_mla_decode_kernels` has both warpgroups compute half of
 each 64-key tile's scores (``m64n32`` MMAs): the query, the A operand in shared memory,
@@ -9,7 +9,8 @@ lead, computes every score of a tile (``m64n64``: 4 KiB a k-step for 64 K), as
 FlashMLA's first Hopper kernel does, and the other only applies the probabilities:
 
 * a loader warp copies tile ``k`` into buffer ``k % 2`` (the latent in two halves, the
-  rope), once both warpgroups are done with tile ``k - 2``;
+  rope), once both warpgroups are done with tile ``k - 2``; with an fp8 cache a widening
+  warpgroup takes its place (:func:`_widener`);
 * the lead (the first warpgroup, the output columns ``[0, L / 2)``) runs the score MMAs
   of tile ``k``, the online softmax on whole rows (no reduction crosses a warpgroup),
   publishes ``P`` and the rescale factor of its rows in shared memory, and applies

@@ -58,9 +58,10 @@ class MLADecodeConfig:
     the Gluon kernel of :mod:`vllm.attention.ops.gluon_mla_decode_kernels` (its own
     tiles: 64 heads, 64 rows, 8 warps, two key buffers), where
     :func:`gluon_unsupported_reasons` is empty; elsewhere the fields above;
-    ``lead`` (with ``gluon``, caches in the model's dtype): the variant of
-    :mod:`vllm.attention.ops.gluon_mla_lead_kernels`, one warpgroup computing every
-    score and the other only applying the probabilities, beside a loader warp.
+    ``lead`` (with ``gluon``; the default): the kernel of
+    :mod:`vllm.attention.ops.gluon_mla_lead_kernels` instead, one warpgroup computing
+    every score and the other only applying the probabilities, beside a loader warp
+    (16-bit caches) or a widening warpgroup (scaled fp8 caches).
     """
 
     block_h: int
@@ -255,7 +256,8 @@ _GLUON_SMEM = 232448
 """Shared memory a block may use on sm_90 (227 KiB)."""
 _LEAD_MAXNREG = 168
 """Registers a thread at the lead kernel's launch, before its partitions set their own:
-its 9 warps launch as 12 (whole warpgroups), and an SM has 64 K registers."""
+its 9 warps (16-bit caches; 12 with fp8) launch as 12 (whole warpgroups), and an SM has
+64 K registers."""
 
 
 @functools.cache
