@@ -459,19 +459,15 @@ def mla_decode_lead_kernel(
         down, up = fp16_row_powers(amax)
         oscale = gl.load(K_SCALE)
         qk = qk * oscale * up
-        for c in gl.static_range(KV_LORA // CH):
-            x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
-            q_s.index(c * CH // HALF).slice(c * CH % HALF, CH, dim=1).store(
-                (x.to(gl.float32) * down[:, None]).to(dtype))
-        x = gl.load(qp_ptr, mask=mask_h, other=0.0)
-        qp_s.store((x.to(gl.float32) * down[:, None]).to(dtype))
-    else:
-        for h in gl.static_range(2):
-            for c in gl.static_range(HALF // CH):
-                q_s.index(h).slice(c * CH, CH, dim=1).store(
-                    gl.load(q_row + h * HALF + c * CH + cols[None, :], mask=mask_h,
-                            other=0.0))
-        qp_s.store(gl.load(qp_ptr, mask=mask_h, other=0.0))
+    for c in gl.static_range(KV_LORA // CH):
+        x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
+        if FP8 != 0:
+            x = (x.to(gl.float32) * down[:, None]).to(dtype)
+        q_s.index(c * CH // HALF).slice(c * CH % HALF, CH, dim=1).store(x)
+    x = gl.load(qp_ptr, mask=mask_h, other=0.0)
+    if FP8 != 0:
+        x = (x.to(gl.float32) * down[:, None]).to(dtype)
+    qp_s.store(x)
     qk_s.store(qk)
     fence_async_shared()
     gl.thread_barrier()
