@@ -116,7 +116,7 @@ def _attend(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
 
 
 @jit
-def _widen(raw: gl.tensor, FP8: gl.constexpr) -> gl.tensor:
+def widen_fp8(raw: gl.tensor, FP8: gl.constexpr) -> gl.tensor:
     """fp8 bytes (``FP8`` 1: E4M3, 2: E5M2) as float16, exactly (the hardware
     conversion, two values an instruction; NaN stays NaN)."""
     if FP8 == 1:
@@ -133,8 +133,8 @@ def _widen_tile(ra: gl.shared_memory_descriptor, rp: gl.shared_memory_descriptor
     """A tile of fp8 bytes (``ra`` latent, ``rp`` rope) into the float16 operands of
     the MMAs (``wa``, ``wp``), ``CH`` columns at a time, visible to the MMAs after."""
     for c in gl.static_range(KV_LORA // CH):
-        wa.slice(c * CH, CH, dim=1).store(_widen(ra.slice(c * CH, CH, dim=1).load(LOAD8), FP8))
-    wp.store(_widen(rp.load(LOAD8), FP8))
+        wa.slice(c * CH, CH, dim=1).store(widen_fp8(ra.slice(c * CH, CH, dim=1).load(LOAD8), FP8))
+    wp.store(widen_fp8(rp.load(LOAD8), FP8))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -160,11 +160,11 @@ def _load_tail(C: gl.tensor, BT: gl.tensor, req: gl.tensor, tail: gl.tensor, end
     for c in gl.static_range(KV_LORA // CH):
         x = gl.load(base + c * CH + cols[None, :], mask=valid, other=0)
         if FP8 != 0:
-            x = _widen(x, FP8)
+            x = widen_fp8(x, FP8)
         wa.slice(c * CH, CH, dim=1).store(x)
     x = gl.load(base + KV_LORA + offs_r[None, :], mask=valid, other=0)
     if FP8 != 0:
-        x = _widen(x, FP8)
+        x = widen_fp8(x, FP8)
     wp.store(x)
     fence_async_shared()
     gl.thread_barrier()

@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from vllm.attention.ops.gluon_mla_decode_kernels import _widen
+from vllm.attention.ops.gluon_mla_decode_kernels import widen_fp8
 from vllm.attention.ops.triton_mla_decode_kernels import fp16_row_powers, split_range
 
 jit: Callable[[Callable[..., Any]], Any] = gluon.jit
@@ -155,14 +155,14 @@ def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end:
         xr = gl.load(base + 2 * HALF + cols_r[None, :], mask=valid, other=0)
         mbarrier.wait(kfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
         if NCH == 2:
-            ka_bufs.index(2 * b).slice(0, CH, dim=1).store(_widen(x0, FP8))
-            ka_bufs.index(2 * b).slice(CH, CH, dim=1).store(_widen(x1, FP8))
-            ka_bufs.index(2 * b + 1).slice(0, CH, dim=1).store(_widen(x2, FP8))
-            ka_bufs.index(2 * b + 1).slice(CH, CH, dim=1).store(_widen(x3, FP8))
+            ka_bufs.index(2 * b).slice(0, CH, dim=1).store(widen_fp8(x0, FP8))
+            ka_bufs.index(2 * b).slice(CH, CH, dim=1).store(widen_fp8(x1, FP8))
+            ka_bufs.index(2 * b + 1).slice(0, CH, dim=1).store(widen_fp8(x2, FP8))
+            ka_bufs.index(2 * b + 1).slice(CH, CH, dim=1).store(widen_fp8(x3, FP8))
         else:
-            ka_bufs.index(2 * b).store(_widen(x0, FP8))
-            ka_bufs.index(2 * b + 1).store(_widen(x1, FP8))
-        kp_bufs.index(b).store(_widen(xr, FP8))
+            ka_bufs.index(2 * b).store(widen_fp8(x0, FP8))
+            ka_bufs.index(2 * b + 1).store(widen_fp8(x1, FP8))
+        kp_bufs.index(b).store(widen_fp8(xr, FP8))
         # visible to the MMAs (the async proxy), every warp's, before the arrival
         fence_async_shared()
         gl.thread_barrier()
