@@ -466,7 +466,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     if use_gluon:
         # both Gluon kernels take the same arguments; the lead-warpgroup one copies the
         # latent in halves, one for each warpgroup's values
-        lead = takes_lead(cfg, q_lat.dtype, kv_cache, L, R, gpu, scale=scale)
+        lead = cfg.lead  # takes_lead, given takes_gluon above (checked once a call)
         lat_d, pe_d = _gluon_descriptors(cache, L, R, lat_width=L // 2 if lead else None)
         kernel, launch = ((_lead_kernel(), {"num_warps": 4, "maxnreg": _LEAD_MAXNREG})
                           if lead else (_gluon_kernel(), {"num_warps": 8}))
