@@ -102,8 +102,8 @@ def _case(heads: int, dtype: torch.dtype, cache_dtype: str, seed: int) -> dict[s
 @pytest.mark.parametrize("heads", [16, 20, 128, 130])
 @pytest.mark.parametrize("dtype, cache_dtype, lead", [
     (torch.bfloat16, "auto", True), (torch.float16, "auto", True),
-    (torch.bfloat16, "fp8", True), (torch.float16, "fp8_e5m2", True),
-    (torch.bfloat16, "auto", False), (torch.float16, "auto", False),
+    (torch.bfloat16, "fp8", True), (torch.float16, "fp8", True),
+    (torch.float16, "fp8_e5m2", True), (torch.bfloat16, "auto", False), (torch.float16, "auto", False),
     (torch.bfloat16, "fp8", False), (torch.float16, "fp8_e5m2", False)],
     ids=lambda x: str(x).replace("torch.", "") if not isinstance(x, bool)
     else ("lead" if x else "split-scores"))

@@ -131,17 +131,26 @@ def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end:
     # block of the split)
     lines = gl.arange(0, 256, gl.BlockedLayout([2], [32], [4], [0])) * 128
     span = BLOCK_N * stride_cs - 1
+    bt_row = BT + req * stride_bt
+    last = gl.maximum(n_tiles - 1, 0)
     if n_tiles > 0:
         for k0 in range(1, 3):
-            n2 = start + gl.minimum(k0, n_tiles - 1) * BLOCK_N
-            blk2 = gl.load(BT + req * stride_bt + n2 // page).to(gl.int64)
+            n2 = start + gl.minimum(k0, last) * BLOCK_N
+            blk2 = gl.load(bt_row + n2 // page).to(gl.int64)
             tile = C + blk2 * stride_cb + (n2 % page).to(gl.int64) * stride_cs
             _prefetch_l2(tile + gl.minimum(lines, span))
             _prefetch_l2(tile + gl.minimum(lines + 256 * 128, span))
+    # block-table entries are loaded an iteration before their use: read where a tile's
+    # addresses needed them, each was a round trip to memory in the warpgroup's chain
+    # (tile k's entry before its loads, tile k + 3's before its prefetch)
+    blk_next = gl.load(bt_row + start // page, mask=n_tiles > 0, other=0)
+    blk_pf = gl.load(bt_row + (start + gl.minimum(3, last) * BLOCK_N) // page,
+                     mask=n_tiles > 0, other=0)
     for k in range(n_tiles):
         b = k % 2
         n0 = start + k * BLOCK_N
-        blk = gl.load(BT + req * stride_bt + n0 // page).to(gl.int64)
+        blk = blk_next.to(gl.int64)
+        blk_next = gl.load(bt_row + (start + gl.minimum(k + 1, last) * BLOCK_N) // page)
         # (the row offsets from the tile's position, not hoisted out of the loop: kept
         # from the kernel's entry they spilled)
         base = C + blk * stride_cb + ((n0 % page) + rows)[:, None].to(gl.int64) * stride_cs
@@ -167,11 +176,11 @@ def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end:
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(kfull.index(b))
-        n2 = start + gl.minimum(k + 3, n_tiles - 1) * BLOCK_N
-        blk2 = gl.load(BT + req * stride_bt + n2 // page).to(gl.int64)
-        tile = C + blk2 * stride_cb + (n2 % page).to(gl.int64) * stride_cs
+        n2 = start + gl.minimum(k + 3, last) * BLOCK_N
+        tile = C + blk_pf.to(gl.int64) * stride_cb + (n2 % page).to(gl.int64) * stride_cs
         _prefetch_l2(tile + gl.minimum(lines, span))
         _prefetch_l2(tile + gl.minimum(lines + 256 * 128, span))
+        blk_pf = gl.load(bt_row + (start + gl.minimum(k + 4, last) * BLOCK_N) // page)
 
 
 @jit
