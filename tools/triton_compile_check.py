@@ -49,7 +49,7 @@ _TYPES = {torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: 
           torch.int64: "i64", torch.float32: "fp32", torch.float16: "fp16",
           torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
-Call = tuple[str, Any, tuple, dict]
+Call = tuple[str, Any, tuple[Any, ...], dict[str, Any]]
 """``(name, jit function, positional args, constexprs and compiler options)``."""
 
 NVIDIA_ONLY = ("HW_CVT", "FAST_DIV", "HW_NAN", "FAST_RCP", "PACKED_WIDEN")
@@ -113,10 +113,12 @@ def as_gpu(gpu: writer_device.GPU, env: dict[str, str] | None = None) -> Iterato
                 os.environ[k] = v
 
 
-def _sig(fn: Any, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[str, Any], dict]:
+def _sig(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+         ) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
     names = list(fn.arg_names)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion",
-                                          "maxnreg") if k in kwargs}
+    options: dict[str, Any] = {k: kwargs.pop(k) for k in ("num_warps", "num_stages",
+                                                          "enable_fp_fusion", "maxnreg")
+                               if k in kwargs}
     sig: dict[str, str] = {}
     consts: dict[str, Any] = {}
     for name, arg in zip(names, args):
@@ -158,25 +160,26 @@ def record_paged(target: Target) -> list[Call]:
     from vllm.attention.types import KVCacheLayout, cache_storage_dtype
 
     calls: list[Call] = []
-    cases = [(KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1] * 4, [300] * 4),
-             (KVCacheLayout.SPLIT_NHD, "fp8_e4m3", torch.bfloat16, [17, 1], [0, 40]),
-             (KVCacheLayout.LEGACY_PAGED, "auto", torch.float16, [3, 1], [5, 20]),
-             (KVCacheLayout.AITER_SHUFFLED, "auto", torch.bfloat16, [3, 1], [5, 20]),
-             (KVCacheLayout.PER_TOKEN_HEAD_QUANT, "int8_per_token_head", torch.bfloat16,
-              [2, 1], [0, 33]),
-             # long prefills (128-row tiles; at D=128 on a target of WIDE_PREFILL_ON the
-             # 256-row launch) and a split-K decode
-             (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1100, 1], [0, 40]),
-             (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1100, 1], [0, 40], 128),
-             (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1, 1], [2047, 1500])]
+    # (layout, cache dtype, model dtype, query lengths, context lengths, head size)
+    cases: list[tuple[KVCacheLayout, str, torch.dtype, list[int], list[int], int]] = [
+        (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1] * 4, [300] * 4, 64),
+        (KVCacheLayout.SPLIT_NHD, "fp8_e4m3", torch.bfloat16, [17, 1], [0, 40], 64),
+        (KVCacheLayout.LEGACY_PAGED, "auto", torch.float16, [3, 1], [5, 20], 64),
+        (KVCacheLayout.AITER_SHUFFLED, "auto", torch.bfloat16, [3, 1], [5, 20], 64),
+        (KVCacheLayout.PER_TOKEN_HEAD_QUANT, "int8_per_token_head", torch.bfloat16,
+         [2, 1], [0, 33], 64),
+        # long prefills (128-row tiles; at D=128 on a target of WIDE_PREFILL_ON the
+        # 256-row launch) and a split-K decode
+        (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1100, 1], [0, 40], 64),
+        (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1100, 1], [0, 40], 128),
+        (KVCacheLayout.SPLIT_NHD, "auto", torch.bfloat16, [1, 1], [2047, 1500], 64)]
     with as_gpu(target.gpu), \
          patched(tpa, triton_unavailable_reason=lambda device: None,  # record on CPU tensors
                  interpreter_active=lambda: False), \
          patched(kern, paged_attention_kernel=Recorder("paged", kern.paged_attention_kernel,
                                                        calls),
                  reduce_splits_kernel=Recorder("reduce", kern.reduce_splits_kernel, calls)):
-        for layout, cdt, dtype, ql, cl, *head in cases:
-            d = head[0] if head else 64
+        for layout, cdt, dtype, ql, cl, d in cases:
             batch = make_paged_batch(ql, cl, block_size=16)
             shape = kv_cache_shape(layout, batch.num_blocks, 16, 2, d)
             cache = torch.zeros(shape, dtype=cache_storage_dtype(cdt, dtype))  # type: ignore[arg-type]
