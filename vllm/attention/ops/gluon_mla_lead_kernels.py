@@ -330,21 +330,18 @@ def _lead(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
 
 
 @jit
-def _follow(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
-            ka_bufs: gl.shared_memory_descriptor, kp_bufs: gl.shared_memory_descriptor,
-            p_s: gl.shared_memory_descriptor, a_s: gl.shared_memory_descriptor,
-            l_s: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
-            kfree: gl.shared_memory_descriptor, pfull: gl.shared_memory_descriptor,
-            pfree: gl.shared_memory_descriptor, lfull: gl.shared_memory_descriptor,
-            n_tiles: gl.tensor, n_last: gl.tensor, qk_s: gl.shared_memory_descriptor,
-            oscale: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor, LSE_PART: gl.tensor,
-            t: gl.tensor, hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor,
-            stride_xt: gl.tensor, stride_xh: gl.tensor, stride_pt: gl.tensor,
-            stride_ph: gl.tensor, stride_ps: gl.tensor, stride_lt: gl.tensor,
-            stride_lh: gl.tensor, single: gl.tensor) -> None:
+def _follow(ka_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descriptor,
+            a_s: gl.shared_memory_descriptor, l_s: gl.shared_memory_descriptor,
+            kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+            pfull: gl.shared_memory_descriptor, pfree: gl.shared_memory_descriptor,
+            lfull: gl.shared_memory_descriptor, n_tiles: gl.tensor, oscale: gl.tensor,
+            OUT: gl.tensor, O_PART: gl.tensor, t: gl.tensor, hb: gl.tensor, sp: gl.tensor,
+            num_heads: gl.tensor, stride_xt: gl.tensor, stride_xh: gl.tensor,
+            stride_pt: gl.tensor, stride_ph: gl.tensor, stride_ps: gl.tensor,
+            single: gl.tensor) -> None:
     """The follower warpgroup: each tile's ``P`` (from the lead) on the second half of
     the values, then that half of the output."""
-    BLOCK_H: gl.constexpr = q_s.type.shape[1]
+    BLOCK_H: gl.constexpr = p_s.type.shape[0]
     HALF: gl.constexpr = ka_bufs.type.shape[2]
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
@@ -487,13 +484,17 @@ def mla_decode_lead_kernel(
             n_tiles, n_last, qk_s, oscale, OUT, O_PART, LSE_PART, t, hb, sp, num_heads,
             stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
             single)
+    # the follower's own: what it reads
+    fargs = (ka_bufs, p_s, a_s, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles, oscale, OUT,
+             O_PART, t, hb, sp, num_heads, stride_xt, stride_xh, stride_pt, stride_ph,
+             stride_ps, single)
     page = n_tiles * 0 + PAGE
     if FP8 == 0:
         largs = (LAT_DESC, PE_DESC, BT, req, start, n_tiles, stride_bt, page, ka_bufs,
                  kp_bufs, kfull, kfree)
         gl.warp_specialize([
             (_lead, args),
-            (_follow, args),
+            (_follow, fargs),
             (_load, largs),
         ], [4, 1], [FOLLOW_REGS, 24])
     else:
@@ -502,12 +503,12 @@ def mla_decode_lead_kernel(
         if FP8 == 1:
             gl.warp_specialize([
                 (_lead, args),
-                (_follow, args),
+                (_follow, fargs),
                 (_widen_e4m3, wargs),
             ], [4, 4], [FOLLOW_REGS_FP8, WIDEN_REGS])
         else:
             gl.warp_specialize([
                 (_lead, args),
-                (_follow, args),
+                (_follow, fargs),
                 (_widen_e5m2, wargs),
             ], [4, 4], [FOLLOW_REGS_FP8, WIDEN_REGS])
