@@ -52,6 +52,9 @@ _TYPES = {torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: 
 Call = tuple[str, Any, tuple[Any, ...], dict[str, Any]]
 """``(name, jit function, positional args, constexprs and compiler options)``."""
 
+NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+"""Triton's own NVIDIA tools (ptxas, cuobjdump)."""
+
 NVIDIA_ONLY = ("HW_CVT", "FAST_DIV", "HW_NAN", "FAST_RCP", "PACKED_WIDEN")
 """The writer constexprs that select inline PTX or NVIDIA's conversion semantics."""
 
@@ -407,8 +410,7 @@ def wgmma_serialised(ptx: str) -> bool:
     notes C7514 / C7515, given when code other than MMAs touches an accumulator's
     registers while an MMA group may be in flight; every MMA of the kernel then waits
     for the one before (the MLA decode's lead-warpgroup kernel ran 1.6 x slower so)."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                         "ptxas")
+    ptxas = os.path.join(NVIDIA_BIN, "ptxas")
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:

@@ -86,7 +86,8 @@ from vllm.attention.ops.mla_attention import LatentFormat
 from vllm.attention.writers.kernels.device import GPU
 
 SMEM = {80: 166912, 90: 232448, 100: 232448}
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+sys.path.insert(0, "tools")
+from triton_compile_check import NVIDIA_BIN as BIN, wgmma_serialised  # (ptxas' C7514/C7515 notes)
 
 def compile_like_jit(fn, args, kwargs, target):
     backend = make_backend(target)
@@ -104,9 +105,6 @@ def spill_bytes(cubin):
                              capture_output=True, text=True, check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
     return int(m.group(1)), int(m.group(2)) + int(m.group(3))
-
-sys.path.insert(0, "tools")
-from triton_compile_check import wgmma_serialised  # ptxas' C7514/C7515 notes
 
 calls = []
 class Rec:
