@@ -108,10 +108,11 @@ def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end:
              n_tiles: gl.tensor, stride_bt: gl.tensor, stride_cb: gl.tensor,
              stride_cs: gl.tensor, page: gl.tensor, ka_bufs: gl.shared_memory_descriptor,
              kp_bufs: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
-             kfree: gl.shared_memory_descriptor, FP8: gl.constexpr) -> None:
-    """The widening warpgroup of an fp8 cache (``FP8`` 1: E4M3, 2: E5M2): tile ``k``'s
-    bytes loaded into registers, then, once both warpgroups are done with tile ``k - 2``,
-    widened exactly to float16 into buffer ``k % 2`` (the layout of the loader's copies);
+             kfree: gl.shared_memory_descriptor) -> None:
+    """The widening warpgroup of an fp8 cache (E4M3 or E5M2, ``C``'s element type): tile
+    ``k``'s bytes loaded into registers, then, once both warpgroups are done with tile
+    ``k - 2``, widened exactly to float16 into buffer ``k % 2`` (the layout of the
+    loader's copies);
     rows at or past ``end`` as zeros (their bytes may be anything, NaN too). The tiles
     ahead are prefetched into L2 (after tile ``k``, tile ``k + 3``): loaded from memory
     when the widening needed them, their latency held the decode at 175.7 against
@@ -119,6 +120,7 @@ def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end:
     BLOCK_N: gl.constexpr = ka_bufs.type.shape[1]
     HALF: gl.constexpr = ka_bufs.type.shape[2]
     ROPE: gl.constexpr = kp_bufs.type.shape[2]
+    FP8: gl.constexpr = 1 if C.dtype.element_ty == gl.float8e4nv else 2
     CH: gl.constexpr = 128 if HALF >= 128 else HALF
     NCH: gl.constexpr = HALF // CH
     BYTES: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
@@ -156,12 +158,12 @@ def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end:
         base = C + blk * stride_cb + ((n0 % page) + rows)[:, None].to(gl.int64) * stride_cs
         valid = (n0 + rows < end)[:, None]
         # every load of the tile issued before the wait for its buffer
-        x0 = gl.load(base + cols[None, :], mask=valid, other=0)
-        x1 = gl.load(base + CH + cols[None, :], mask=valid, other=0)
+        x0 = gl.load(base + cols[None, :], mask=valid, other=0.0)
+        x1 = gl.load(base + CH + cols[None, :], mask=valid, other=0.0)
         if NCH == 2:
-            x2 = gl.load(base + 2 * CH + cols[None, :], mask=valid, other=0)
-            x3 = gl.load(base + 3 * CH + cols[None, :], mask=valid, other=0)
-        xr = gl.load(base + 2 * HALF + cols_r[None, :], mask=valid, other=0)
+            x2 = gl.load(base + 2 * CH + cols[None, :], mask=valid, other=0.0)
+            x3 = gl.load(base + 3 * CH + cols[None, :], mask=valid, other=0.0)
+        xr = gl.load(base + 2 * HALF + cols_r[None, :], mask=valid, other=0.0)
         mbarrier.wait(kfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
         if NCH == 2:
             ka_bufs.index(2 * b).slice(0, CH, dim=1).store(widen_fp8(x0, FP8))
@@ -181,28 +183,6 @@ def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end:
         _prefetch_l2(tile + gl.minimum(lines, span))
         _prefetch_l2(tile + gl.minimum(lines + 256 * 128, span))
         blk_pf = gl.load(bt_row + (start + gl.minimum(k + 4, last) * BLOCK_N) // page)
-
-
-@jit
-def _widen_e4m3(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor,
-                end: gl.tensor, n_tiles: gl.tensor, stride_bt: gl.tensor,
-                stride_cb: gl.tensor, stride_cs: gl.tensor, page: gl.tensor,
-                ka_bufs: gl.shared_memory_descriptor, kp_bufs: gl.shared_memory_descriptor,
-                kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor
-                ) -> None:
-    _widener(C, BT, req, start, end, n_tiles, stride_bt, stride_cb, stride_cs, page, ka_bufs,
-             kp_bufs, kfull, kfree, 1)
-
-
-@jit
-def _widen_e5m2(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor,
-                end: gl.tensor, n_tiles: gl.tensor, stride_bt: gl.tensor,
-                stride_cb: gl.tensor, stride_cs: gl.tensor, page: gl.tensor,
-                ka_bufs: gl.shared_memory_descriptor, kp_bufs: gl.shared_memory_descriptor,
-                kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor
-                ) -> None:
-    _widener(C, BT, req, start, end, n_tiles, stride_bt, stride_cb, stride_cs, page, ka_bufs,
-             kp_bufs, kfull, kfree, 2)
 
 
 @jit
@@ -500,15 +480,8 @@ def mla_decode_lead_kernel(
     else:
         wargs = (C, BT, req, start, end, n_tiles, stride_bt, stride_cb, stride_cs, page,
                  ka_bufs, kp_bufs, kfull, kfree)
-        if FP8 == 1:
-            gl.warp_specialize([
-                (_lead, args),
-                (_follow, fargs),
-                (_widen_e4m3, wargs),
-            ], [4, 4], [FOLLOW_REGS_FP8, WIDEN_REGS])
-        else:
-            gl.warp_specialize([
-                (_lead, args),
-                (_follow, fargs),
-                (_widen_e5m2, wargs),
-            ], [4, 4], [FOLLOW_REGS_FP8, WIDEN_REGS])
+        gl.warp_specialize([
+            (_lead, args),
+            (_follow, fargs),
+            (_widener, wargs),
+        ], [4, 4], [FOLLOW_REGS_FP8, WIDEN_REGS])

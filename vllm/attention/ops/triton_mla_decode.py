@@ -465,13 +465,14 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                         lse_part.stride(0), lse_part.stride(1))
     if use_gluon:
         # both Gluon kernels take the same arguments; the lead-warpgroup one copies the
-        # latent in halves, one for each warpgroup's values
+        # latent in halves, one for each warpgroup's values, and reads an fp8 cache as
+        # its fp8 type (which says E4M3 or E5M2), the other as bytes
         lead = cfg.lead  # takes_lead, given takes_gluon above (checked once a call)
         lat_d, pe_d = _gluon_descriptors(cache, L, R, lat_width=L // 2 if lead else None)
         kernel, launch = ((_lead_kernel(), {"num_warps": 4, "maxnreg": _LEAD_MAXNREG})
                           if lead else (_gluon_kernel(), {"num_warps": 8}))
         kernel[(head_tiles, splits, t)](
-            q, qe, lat_d, pe_d, cache, bt, req, pos,
+            q, qe, lat_d, pe_d, kv_cache if lead else cache, bt, req, pos,
             fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,
             q.stride(0), q.stride(1), qe.stride(0), qe.stride(1),
             cache.stride(0), cache.stride(1), bt.stride(0),
