@@ -112,11 +112,10 @@ def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end:
     """The widening warpgroup of an fp8 cache (E4M3 or E5M2, ``C``'s element type): tile
     ``k``'s bytes loaded into registers, then, once both warpgroups are done with tile
     ``k - 2``, widened exactly to float16 into buffer ``k % 2`` (the layout of the
-    loader's copies);
-    rows at or past ``end`` as zeros (their bytes may be anything, NaN too). The tiles
-    ahead are prefetched into L2 (after tile ``k``, tile ``k + 3``): loaded from memory
-    when the widening needed them, their latency held the decode at 175.7 against
-    154.6 us (128 heads, E4M3, one H200)."""
+    loader's copies); rows at or past ``end`` as zeros (their bytes may be anything, NaN
+    too). The tiles ahead are prefetched into L2 (after tile ``k``, tile ``k + 3``):
+    loaded from memory when the widening needed them, their latency held the decode at
+    175.7 against 154.6 us (128 heads, E4M3, one H200)."""
     BLOCK_N: gl.constexpr = ka_bufs.type.shape[1]
     HALF: gl.constexpr = ka_bufs.type.shape[2]
     ROPE: gl.constexpr = kp_bufs.type.shape[2]
