@@ -151,7 +151,8 @@ class Step:
         """The decode alone on the contiguous absorbed query: ``default`` (the launch the
         device gets), ``gluon`` (the Gluon kernel with split scores where the default is
         the lead-warpgroup one), ``triton`` (the Triton tensor-core kernel where the
-        default is a Gluon one) or ``per-row`` (the per-row kernel)."""
+        default is a Gluon one), ``fp8-mma`` (the fp8-MMA kernel, an E4M3 cache) or
+        ``per-row`` (the per-row kernel)."""
         from vllm.attention.ops.triton_mla import mla_decode_per_row, mla_decode_triton
         from vllm.attention.ops.triton_mla_decode import default_config, mla_decode_mma
 
@@ -162,9 +163,10 @@ class Step:
         if variant == "per-row":
             return lambda: mla_decode_per_row(*args, scale=self.spec.scale,
                                               max_seq_len=m.max_decode_seq_len)
-        if variant in ("triton", "gluon"):
-            cfg = dataclasses.replace(default_config(q_lat.dtype, gpu_of(q_lat.device)),
-                                      gluon=variant == "gluon", lead=False)
+        if variant in ("triton", "gluon", "fp8-mma"):
+            base = default_config(q_lat.dtype, gpu_of(q_lat.device))
+            cfg = (dataclasses.replace(base, fp8_mma=True) if variant == "fp8-mma" else
+                   dataclasses.replace(base, gluon=variant == "gluon", lead=False))
             return lambda: mla_decode_mma(*args, scale=self.spec.scale,
                                           max_seq_len=m.max_decode_seq_len, config=cfg,
                                           out_dtype=torch.bfloat16)
@@ -304,6 +306,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     err_t = step.check(alt)
                     failed |= not err_t < tol
                     variants.append(("decode kernel", alt, alt, err_t))
+                if kernel_path == "gluon-lead" and step.cache.dtype == torch.float8_e4m3fn:
+                    # E4M3 query and probabilities: a tolerance of its own
+                    from vllm.attention.ops.triton_mla_decode import FP8_MMA_TOLERANCE
+
+                    err_f = step.check("fp8-mma")
+                    failed |= not err_f < FP8_MMA_TOLERANCE
+                    variants.append(("decode kernel", "fp8-mma", "gluon-fp8-mma", err_f))
                 variants.append(("per-row kernel", "per-row", "triton", None))
                 for what, variant, kpath, kerr in variants:
                     us = _time(step.kernel(variant), device, args.replays)

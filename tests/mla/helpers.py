@@ -139,3 +139,14 @@ def latent_decode_reference(q: torch.Tensor, cache: torch.Tensor, block_table: t
         probs = torch.softmax(q[i].double() @ keys.t() * scale, dim=-1)
         out[i] = probs @ keys[:, :kv_lora_rank]
     return out
+
+
+def e4m3_query(q: torch.Tensor) -> torch.Tensor:
+    """The query as the fp8-MMA decode kernel multiplies it, in float64: each
+    ``(token, head)`` row scaled by the power of two ``2**-e`` that puts its largest
+    magnitude in ``[2**7, 2**8)``, rounded to E4M3 (to nearest, ties to even), and scaled
+    back by ``2**e``."""
+    amax = q.double().abs().amax(dim=-1, keepdim=True)
+    _, x = torch.frexp(amax)  # amax = m * 2**x, m in [0.5, 1): floor(log2(amax)) = x - 1
+    e = (x - 1 - 7).clamp(-100, 100).double()
+    return (q.double() * torch.exp2(-e)).to(torch.float8_e4m3fn).double() * torch.exp2(e)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.mla.helpers import filled_latent_cache, latent_decode_reference
+from tests.mla.helpers import e4m3_query, filled_latent_cache, latent_decode_reference
 from vllm.attention.ops.mla_attention import LatentFormat
 from vllm.attention.registry import get_backend
 from vllm.attention.writers.kernels.device import GPU
@@ -140,3 +140,40 @@ def test_gluon_against_float64(dtype: torch.dtype, cache_dtype: str, lead: bool,
     # every token, every head: no row may be off while the whole is within tolerance
     rows = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
     assert float(rows) < 4 * tol, float(rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon kernel runs on NVIDIA sm_90 only")
+@pytest.mark.parametrize("splits", [None, 1, 3, 64], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("heads", [16, 20, 128, 130])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16],
+                         ids=lambda x: str(x).replace("torch.", ""))
+def test_fp8_mma_against_float64(dtype: torch.dtype, heads: int, splits: int | None) -> None:
+    """The fp8-MMA kernel (E4M3 query and probabilities): against float64 on the query
+    it rounds (what is left is the probabilities' rounding) and on the exact query."""
+    import dataclasses
+
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    x = _case(heads, dtype, "fp8", seed=1000 + heads + (splits or 0))
+    cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
+    q: torch.Tensor = x["q"]  # type: ignore[assignment]
+    gpu = tmd.gpu_of(cache.device)
+    cfg = dataclasses.replace(tmd.default_config(dtype, gpu), fp8_mma=True)
+    assert tmd.takes_fp8_mma(cfg, dtype, cache, L, R, gpu, scale=1.0)
+    before = cache.view(torch.uint8).clone()
+    fmt = LatentFormat("fp8", L, R, torch.tensor([K_SCALE], device="cuda"), dtype)
+    scale = 192 ** -0.5
+    out = tmd.mla_decode_mma(q[..., :L], cache, x["bt"], x["req"], x["pos"], fmt,  # type: ignore[arg-type]
+                             scale=scale, max_seq_len=max(SEQ_LENS), num_splits=splits,
+                             out_dtype=dtype, q_pe=q[..., L:], config=cfg)
+    assert torch.equal(cache.view(torch.uint8), before)
+    assert torch.isfinite(out).all()
+    for query, tol in ((e4m3_query(q), tmd.FP8_MMA_P_TOLERANCE),
+                       (q, tmd.FP8_MMA_TOLERANCE)):
+        ref = latent_decode_reference(query, cache, x["bt"], x["tokens"], L, scale,  # type: ignore[arg-type]
+                                      K_SCALE)
+        err = float((out.double() - ref).norm() / ref.norm())
+        assert err < tol, (err, tol)
+        rows = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
+        assert float(rows) < 4 * tol, (float(rows), tol)

@@ -61,7 +61,11 @@ class MLADecodeConfig:
     ``lead`` (with ``gluon``; the default): the kernel of
     :mod:`vllm.attention.ops.gluon_mla_lead_kernels` instead, one warpgroup computing
     every score and the other only applying the probabilities, beside a loader warp
-    (16-bit caches) or a widening warpgroup (scaled fp8 caches).
+    (16-bit caches) or a widening warpgroup (scaled fp8 caches);
+    ``fp8_mma`` (with ``lead``, an E4M3 cache, a latent of 512 and a rope of 64): the
+    kernel of :mod:`vllm.attention.ops.gluon_mla_fp8_kernels` instead, whose MMAs run on
+    fp8 tensor cores, the query and the probabilities rounded to E4M3 (FlashMLA's fp8
+    numerics; less exact than the default, which rounds neither: ``docs/mla.md``).
     """
 
     block_h: int
@@ -77,6 +81,7 @@ class MLADecodeConfig:
     heads_as_n: bool = False
     gluon: bool = False
     lead: bool = True
+    fp8_mma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n"):
@@ -362,6 +367,45 @@ def takes_lead(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tenso
             and takes_gluon(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu, scale=scale))
 
 
+FP8_MMA_TOLERANCE = 0.06
+"""Relative error (norm of the difference over the reference's) of the fp8-MMA kernel
+against float64 on random inputs (``docs/mla.md``: rounding the query to E4M3 costs
+about 0.035 there, the probabilities about 0.015)."""
+FP8_MMA_P_TOLERANCE = 0.025
+"""The same against float64 on the query as the kernel rounds it: what the
+probabilities' rounding to E4M3 leaves."""
+
+
+def _fp8_mma_kernel() -> Any:
+    from vllm.attention.ops.gluon_mla_fp8_kernels import mla_decode_fp8_mma_kernel
+
+    return mla_decode_fp8_mma_kernel
+
+
+def fp8_mma_unsupported_reasons(kv_cache: torch.Tensor, kv_lora_rank: int,
+                                rope_dim: int) -> list[str]:
+    """Why the fp8-MMA kernel cannot take this decode, given that the lead kernel can
+    (empty: it can)."""
+    reasons = []
+    if kv_cache.dtype != torch.float8_e4m3fn:
+        reasons.append(f"cache {kv_cache.dtype}: the fp8-MMA kernel reads float8_e4m3fn "
+                       "(the query and probabilities are rounded to E4M3 to match it)")
+    if (kv_lora_rank, rope_dim) != (512, 64):
+        reasons.append(f"kv_lora_rank={kv_lora_rank}, rope_dim={rope_dim}: the fp8-MMA "
+                       "kernel's staging is written for 512 and 64 (DeepSeek's)")
+    return reasons
+
+
+def takes_fp8_mma(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tensor,
+                  kv_lora_rank: int, rope_dim: int, gpu: GPU | None, *, scale: float) -> bool:
+    """Whether :func:`mla_decode_mma` runs this decode on the fp8-MMA Gluon kernel:
+    ``cfg.fp8_mma`` asks for it, the lead kernel would take it (:func:`takes_lead`), and
+    :func:`fp8_mma_unsupported_reasons` is empty."""
+    return (cfg.fp8_mma
+            and takes_lead(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu, scale=scale)
+            and not fp8_mma_unsupported_reasons(kv_cache, kv_lora_rank, rope_dim))
+
+
 def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                    token_req: torch.Tensor, token_pos: torch.Tensor, fmt: LatentFormat, *,
                    scale: float, max_seq_len: int, config: MLADecodeConfig | None = None,
@@ -471,6 +515,8 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         lat_d, pe_d = _gluon_descriptors(cache, L, R, lat_width=L // 2 if lead else None)
         kernel, launch = ((_lead_kernel(), {"num_warps": 4, "maxnreg": _LEAD_MAXNREG})
                           if lead else (_gluon_kernel(), {"num_warps": 8}))
+        if lead and cfg.fp8_mma and not fp8_mma_unsupported_reasons(kv_cache, L, R):
+            kernel = _fp8_mma_kernel()  # the lead kernel's arguments and launch
         kernel[(head_tiles, splits, t)](
             q, qe, lat_d, pe_d, kv_cache if lead else cache, bt, req, pos,
             fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,

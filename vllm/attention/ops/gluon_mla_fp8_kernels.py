@@ -1,0 +1,392 @@
+"""The dense MLA decode for Hopper (sm_90) on fp8 tensor cores (Gluon): an E4M3 cache,
+with the query and the probabilities rounded to E4M3 as well, so that both MMAs of a
+tile read the cache's bytes as they are (``MLADecodeConfig.fp8_mma``).
+
+This is the numerics of FlashMLA's fp8 decode, which upstream vLLM feeds with a query
+quantized to fp8 (``vllm/model_executor/layers/attention/mla_attention.py`` at
+0014ca6b: ``supports_quant_query_input``, ``_decode_concat_quant_fp8_op``), with two
+differences that only make it closer to the exact result: the query is scaled a head at
+a time by a power of two (its largest magnitude into ``[128, 256)``: no clamping, where a
+per-tensor scale of 1.0 clamps every value past 448), and the probabilities are scaled
+by ``2**8`` before rounding (E4M3 keeps 3 bits down to ``2**-14`` of a row's largest,
+not ``2**-6``); the row sums add the rounded probabilities, so what is divided is what
+was multiplied.
+
+The schedule is :mod:`vllm.attention.ops.gluon_mla_lead_kernels`': the lead warpgroup
+computes each 64-key tile's scores and softmax and applies ``P`` to the first half of
+the values, the follower applies it to the second half. What differs is what they read:
+
+* the staging warpgroup (:func:`_stage`) loads tile ``k``'s bytes into registers and,
+  once both warpgroups are done with tile ``k - 2``, stores them twice into buffer
+  ``k % 2``: as they are (the keys, ``[64 keys, L + R]``: the B operand of the score
+  MMAs is K-major, as the cache is) and transposed (the values, ``[L, 64 keys]``: an
+  fp8 MMA takes its B operand K-major only, and the K of the value MMA is the keys).
+  The widening kernel stores 72 KiB of float16 a tile; this stores 68 KiB of bytes,
+  and the MMAs read half as many bytes as from float16 operands in half the time.
+* in the transposed copy the value columns are permuted within each 128-column chunk
+  (column ``16 a + j`` of the chunk is row ``8 j + a``), so that the eight lanes of a
+  store write eight consecutive rows (one 128-byte line, no bank conflict) while each
+  lane loaded 16 consecutive bytes of a row; the output stores undo it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from vllm.attention.ops.gluon_mla_lead_kernels import _prefetch_l2, _store_half
+from vllm.attention.ops.triton_mla_decode_kernels import split_range
+
+jit: Callable[[Callable[..., Any]], Any] = gluon.jit
+"""``gluon.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+P_BIAS: gl.constexpr = gl.constexpr(8.0)
+"""``log2`` of the factor the probabilities carry into E4M3 (``[0, 256]``)."""
+CH: gl.constexpr = gl.constexpr(128)
+"""Columns of a chunk of the staged tile (the span of the value permutation)."""
+FOLLOW_REGS: gl.constexpr = gl.constexpr(168)
+"""Registers a thread of the follower (its ``[64, L / 2]`` float32 accumulator takes 128)."""
+STAGE_REGS: gl.constexpr = gl.constexpr(112)
+"""Registers a thread of the staging warpgroup: a tile's bytes in flight (72)."""
+
+
+@jit
+def _transposed(x: gl.tensor) -> gl.tensor:
+    """A ``[keys, 128]`` chunk as ``[128, keys]``, its column ``16 a + j`` as row
+    ``8 j + a`` (in registers: the staging layout gives a thread 16 consecutive columns
+    of 4 consecutive keys, so a row's 4 keys are one 32-bit store)."""
+    BLOCK_N: gl.constexpr = x.type.shape[0]
+    y = gl.reshape(x, [BLOCK_N, 8, 16])
+    y = gl.permute(y, [2, 1, 0])
+    return gl.reshape(y, [128, BLOCK_N])
+
+
+@jit
+def _stage(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end: gl.tensor,
+           n_tiles: gl.tensor, stride_bt: gl.tensor, stride_cb: gl.tensor,
+           stride_cs: gl.tensor, page: gl.tensor, ka_bufs: gl.shared_memory_descriptor,
+           kp_bufs: gl.shared_memory_descriptor, vt_bufs: gl.shared_memory_descriptor,
+           kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor) -> None:
+    """The staging warpgroup: tile ``k``'s bytes loaded into registers, then, once both
+    warpgroups are done with tile ``k - 2``, stored into buffer ``k % 2`` as keys
+    (``ka_bufs[2 b + h]``: latent half ``h``, ``kp_bufs[b]``: the rope) and as permuted,
+    transposed values (``vt_bufs[2 b + h]``); rows at or past ``end`` as zeros (their
+    bytes may be anything, NaN too). Tiles ahead are prefetched into L2 as in the
+    widening warpgroup of the 16-bit kernel."""
+    BLOCK_N: gl.constexpr = ka_bufs.type.shape[1]
+    HALF: gl.constexpr = ka_bufs.type.shape[2]
+    ROPE: gl.constexpr = kp_bufs.type.shape[2]
+    gl.static_assert(HALF == 2 * CH, "two 128-column chunks a latent half")
+    # a thread: 4 consecutive keys x 16 consecutive bytes; a warp: 16 keys x 128 bytes
+    BYTES: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [4, 1], [1, 0])
+    ROPE_BYTES: gl.constexpr = gl.BlockedLayout([2, 16], [8, 4], [4, 1], [1, 0])
+    rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, BYTES))
+    cols = gl.arange(0, CH, gl.SliceLayout(0, BYTES))
+    rows_r = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ROPE_BYTES))
+    cols_r = gl.arange(0, ROPE, gl.SliceLayout(0, ROPE_BYTES))
+    lines = gl.arange(0, 256, gl.BlockedLayout([2], [32], [4], [0])) * 128
+    span = BLOCK_N * stride_cs - 1
+    bt_row = BT + req * stride_bt
+    last = gl.maximum(n_tiles - 1, 0)
+    if n_tiles > 0:
+        for k0 in range(1, 3):
+            n2 = start + gl.minimum(k0, last) * BLOCK_N
+            blk2 = gl.load(bt_row + n2 // page).to(gl.int64)
+            tile = C + blk2 * stride_cb + (n2 % page).to(gl.int64) * stride_cs
+            _prefetch_l2(tile + gl.minimum(lines, span))
+            _prefetch_l2(tile + gl.minimum(lines + 256 * 128, span))
+    blk_next = gl.load(bt_row + start // page, mask=n_tiles > 0, other=0)
+    blk_pf = gl.load(bt_row + (start + gl.minimum(3, last) * BLOCK_N) // page,
+                     mask=n_tiles > 0, other=0)
+    for k in range(n_tiles):
+        b = k % 2
+        n0 = start + k * BLOCK_N
+        blk = blk_next.to(gl.int64)
+        blk_next = gl.load(bt_row + (start + gl.minimum(k + 1, last) * BLOCK_N) // page)
+        tile = C + blk * stride_cb + (n0 % page).to(gl.int64) * stride_cs
+        base = tile + rows[:, None].to(gl.int64) * stride_cs
+        valid = (n0 + rows < end)[:, None]
+        x0 = gl.load(base + cols[None, :], mask=valid, other=0.0)
+        x1 = gl.load(base + CH + cols[None, :], mask=valid, other=0.0)
+        x2 = gl.load(base + 2 * CH + cols[None, :], mask=valid, other=0.0)
+        x3 = gl.load(base + 3 * CH + cols[None, :], mask=valid, other=0.0)
+        xr = gl.load(tile + rows_r[:, None].to(gl.int64) * stride_cs + 2 * HALF
+                     + cols_r[None, :], mask=(n0 + rows_r < end)[:, None], other=0.0)
+        mbarrier.wait(kfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
+        ka_bufs.index(2 * b).slice(0, CH, dim=1).store(x0)
+        ka_bufs.index(2 * b).slice(CH, CH, dim=1).store(x1)
+        ka_bufs.index(2 * b + 1).slice(0, CH, dim=1).store(x2)
+        ka_bufs.index(2 * b + 1).slice(CH, CH, dim=1).store(x3)
+        kp_bufs.index(b).store(xr)
+        vt_bufs.index(2 * b).slice(0, CH, dim=0).store(_transposed(x0))
+        vt_bufs.index(2 * b).slice(CH, CH, dim=0).store(_transposed(x1))
+        vt_bufs.index(2 * b + 1).slice(0, CH, dim=0).store(_transposed(x2))
+        vt_bufs.index(2 * b + 1).slice(CH, CH, dim=0).store(_transposed(x3))
+        # visible to the MMAs (the async proxy), every warp's, before the arrival
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(kfull.index(b))
+        n2 = start + gl.minimum(k + 3, last) * BLOCK_N
+        tile2 = C + blk_pf.to(gl.int64) * stride_cb + (n2 % page).to(gl.int64) * stride_cs
+        _prefetch_l2(tile2 + gl.minimum(lines, span))
+        _prefetch_l2(tile2 + gl.minimum(lines + 256 * 128, span))
+        blk_pf = gl.load(bt_row + (start + gl.minimum(k + 4, last) * BLOCK_N) // page)
+
+
+@jit
+def _lead8(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
+           ka_bufs: gl.shared_memory_descriptor, kp_bufs: gl.shared_memory_descriptor,
+           vt_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descriptor,
+           a_s: gl.shared_memory_descriptor, l_s: gl.shared_memory_descriptor,
+           kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+           pfull: gl.shared_memory_descriptor, pfree: gl.shared_memory_descriptor,
+           lfull: gl.shared_memory_descriptor, n_tiles: gl.tensor, n_last: gl.tensor,
+           qk_s: gl.shared_memory_descriptor, oscale: gl.tensor, OUT: gl.tensor,
+           O_PART: gl.tensor, LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor,
+           sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor, stride_xh: gl.tensor,
+           stride_pt: gl.tensor, stride_ph: gl.tensor, stride_ps: gl.tensor,
+           stride_lt: gl.tensor, stride_lh: gl.tensor, single: gl.tensor) -> None:
+    """The lead warpgroup: every tile's scores (fp8 MMAs) and softmax, ``P`` rounded
+    to E4M3 and published, its half of the values (an fp8 MMA on ``P`` in shared
+    memory); then its half of the output, the row sums for the follower, and the
+    log-sum-exp of a split."""
+    BLOCK_N: gl.constexpr = ka_bufs.type.shape[1]
+    HALF: gl.constexpr = ka_bufs.type.shape[2]
+    BLOCK_H: gl.constexpr = q_s.type.shape[1]
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 32])
+    S_ROWS: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
+    l_i = gl.zeros([BLOCK_H], gl.float32, S_ROWS)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, S_ROWS)
+    qk = qk_s.load(S_ROWS)  # what turns a head's raw scores into base-2 logits (> 0)
+    for k in range(n_tiles):
+        b = k % 2
+        mbarrier.wait(kfull.index(b), (k // 2) & 1)
+        s = warpgroup_mma(qp_s, kp_bufs.index(b).permute((1, 0)),
+                          gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT),
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma(q_s.index(0), ka_bufs.index(2 * b).permute((1, 0)), s,
+                          is_async=True)
+        s = warpgroup_mma(q_s.index(1), ka_bufs.index(2 * b + 1).permute((1, 0)), s,
+                          is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_s, qp_s))[0]
+        n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
+        if n_valid < BLOCK_N:
+            keys = gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
+            s = gl.where((keys < n_valid)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk)
+        # P times 2**8, in [0, 256], rounded to E4M3; the row sums add what was rounded
+        p8 = gl.exp2(gl.fma(s, qk[:, None], P_BIAS - m_new[:, None])).to(gl.float8e4nv)
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p8.to(gl.float32), 1)
+        m_i = m_new
+        # the follower's value MMA of tile k - 1 is done with P and its factors
+        mbarrier.wait(pfree.index(0), (k - 1) & 1, pred=k > 0)
+        p_s.store(p8)
+        a_s.store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(pfull.index(0))
+        acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
+        acc = warpgroup_mma(p_s, vt_bufs.index(2 * b).permute((1, 0)), acc, is_async=True)
+        # waited for here, not across the loop's back edge (ptxas serialises every MMA
+        # of the kernel otherwise: C7515)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_s))[0]
+        mbarrier.arrive(kfree.index(b))
+
+    l_s.store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(lfull.index(0))
+    _store_half(acc, gl.convert_layout(l_i, O_ROWS), OUT, O_PART, t, hb, sp, num_heads,
+                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0,
+                O_LAYOUT, CH)
+    seen = l_i > 0.0
+    lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)) - P_BIAS, float("-inf"))
+    lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, S_ROWS)
+    gl.store(LSE_PART + t * stride_lt + lh * stride_lh + sp, lse,
+             mask=(lh < num_heads) & (single == 0))
+
+
+@jit
+def _follow8(vt_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descriptor,
+             a_s: gl.shared_memory_descriptor, l_s: gl.shared_memory_descriptor,
+             kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+             pfull: gl.shared_memory_descriptor, pfree: gl.shared_memory_descriptor,
+             lfull: gl.shared_memory_descriptor, n_tiles: gl.tensor, oscale: gl.tensor,
+             OUT: gl.tensor, O_PART: gl.tensor, t: gl.tensor, hb: gl.tensor, sp: gl.tensor,
+             num_heads: gl.tensor, stride_xt: gl.tensor, stride_xh: gl.tensor,
+             stride_pt: gl.tensor, stride_ph: gl.tensor, stride_ps: gl.tensor,
+             single: gl.tensor) -> None:
+    """The follower warpgroup: each tile's ``P`` (from the lead) on the second half of
+    the values, then that half of the output."""
+    BLOCK_H: gl.constexpr = p_s.type.shape[0]
+    HALF: gl.constexpr = vt_bufs.type.shape[1]
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 32])
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
+    for k in range(n_tiles):
+        b = k % 2
+        mbarrier.wait(pfull.index(0), k & 1)
+        mbarrier.wait(kfull.index(b), (k // 2) & 1)
+        alpha = a_s.load(O_ROWS)
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(p_s, vt_bufs.index(2 * b + 1).permute((1, 0)), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_s))[0]
+        # every warp of the warpgroup is done with P, its factors and the buffer
+        gl.thread_barrier()
+        mbarrier.arrive(pfree.index(0))
+        mbarrier.arrive(kfree.index(b))
+
+    mbarrier.wait(lfull.index(0), 0)
+    l_i = l_s.load(O_ROWS)
+    _store_half(acc, l_i, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
+                stride_pt, stride_ph, stride_ps, single, oscale, 1, O_LAYOUT, CH)
+
+
+@jit
+def e4m3_row_powers(amax: gl.tensor) -> tuple[gl.tensor, gl.tensor]:
+    """For rows whose largest magnitude is ``amax`` (float32): ``down = 2**-e``, which
+    puts that magnitude in ``[2**7, 2**8)`` (E4M3's largest finite value is 448), and
+    ``up = 2**e``; ``e`` clamped so that both are normal float32 numbers (a zero row,
+    padding, stays zero)."""
+    e = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 7
+    e = gl.minimum(gl.maximum(e, -100), 100)
+    down = ((127 - e) << 23).to(gl.float32, bitcast=True)
+    up = ((127 + e) << 23).to(gl.float32, bitcast=True)
+    return down, up
+
+
+@jit
+def mla_decode_fp8_mma_kernel(
+    Q: gl.tensor, Q_PE: gl.tensor, LAT_DESC: tma.tensor_descriptor,
+    PE_DESC: tma.tensor_descriptor, C: gl.tensor, BT: gl.tensor, TOK_REQ: gl.tensor,
+    TOK_POS: gl.tensor, K_SCALE: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor,
+    LSE_PART: gl.tensor,
+    stride_qt: gl.tensor, stride_qh: gl.tensor, stride_et: gl.tensor, stride_eh: gl.tensor,
+    stride_cb: gl.tensor, stride_cs: gl.tensor, stride_bt: gl.tensor, stride_xt: gl.tensor,
+    stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor, stride_ps: gl.tensor,
+    stride_lt: gl.tensor, stride_lh: gl.tensor,
+    num_heads: gl.tensor, sm_scale: gl.tensor, num_splits: gl.tensor,
+    KV_LORA: gl.constexpr, ROPE: gl.constexpr, PAGE: gl.constexpr, FP8: gl.constexpr,
+    SINGLE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    num_warps: gl.constexpr,
+) -> None:
+    """One (head tile, split, token) program; grid ``(head tiles, splits, tokens)``;
+    the arguments of :func:`~vllm.attention.ops.gluon_mla_lead_kernels.mla_decode_lead_kernel`
+    (the descriptors unused: the staging warpgroup loads the bytes itself), with ``C``
+    an E4M3 cache (``FP8`` 1), ``KV_LORA`` 512. ``num_warps`` 4: the lead warpgroup; the
+    follower and the staging warpgroup are the partitions' own.
+
+    The query is rounded to E4M3 a head at a time after a power of two puts its largest
+    magnitude in ``[128, 256)``; that power, ``sm_scale`` and ``K_SCALE`` multiply the
+    scores, ``K_SCALE`` the output."""
+    gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
+    gl.static_assert(PAGE % BLOCK_N == 0, "a tile inside one page")
+    gl.static_assert(BLOCK_H == 64, "the M of a warpgroup MMA")
+    gl.static_assert(FP8 == 1, "an E4M3 cache")
+    gl.static_assert(KV_LORA == 4 * CH, "a latent of 512 columns")
+    f8: gl.constexpr = gl.float8e4nv
+    HALF: gl.constexpr = KV_LORA // 2
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    F32_ROW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    hb = gl.program_id(0)
+    sp = gl.program_id(1)
+    t = gl.program_id(2).to(gl.int64)  # offsets of t can pass 2**31
+    req = gl.load(TOK_REQ + t).to(gl.int64)
+    n_keys = gl.load(TOK_POS + t) + 1
+    start, end = split_range(n_keys, num_splits, sp, BLOCK_N)
+    n_tiles = gl.cdiv(end - start, BLOCK_N)
+    n_last = end - start - (n_tiles - 1) * BLOCK_N  # rows of the last tile
+
+    # two buffers of a tile each: [buffer * 2 + half] latent halves as keys and as
+    # transposed values, [buffer] rope
+    ka_bufs = gl.allocate_shared_memory(
+        f8, [4, BLOCK_N, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], f8))
+    kp_bufs = gl.allocate_shared_memory(
+        f8, [2, BLOCK_N, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], f8))
+    vt_bufs = gl.allocate_shared_memory(
+        f8, [4, HALF, BLOCK_N], gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_N], f8))
+    p_s = gl.allocate_shared_memory(
+        f8, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], f8))
+    a_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
+    l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
+    qk_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
+    kfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pfull = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    pfree = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    lfull = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kfull.index(i), count=1)
+        mbarrier.init(kfree.index(i), count=2)
+    mbarrier.init(pfull.index(0), count=1)
+    mbarrier.init(pfree.index(0), count=1)
+    mbarrier.init(lfull.index(0), count=1)
+
+    # the query in E4M3: halves of the latent (the score MMAs' A operands), the rope
+    q_s = gl.allocate_shared_memory(
+        f8, [2, BLOCK_H, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], f8))
+    qp_s = gl.allocate_shared_memory(
+        f8, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], f8))
+    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LOAD))
+    mask_h = (offs_h < num_heads)[:, None]
+    cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
+    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
+    qp_ptr = Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :]
+    # a head's largest magnitude first (a pass over the query), then the query scaled
+    # by the power of two e4m3_row_powers gives and rounded to E4M3
+    amax = gl.max(gl.abs(gl.load(qp_ptr, mask=mask_h, other=0.0).to(gl.float32)), 1)
+    for c in gl.static_range(KV_LORA // CH):
+        x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
+        amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), 1))
+    down, up = e4m3_row_powers(amax)
+    oscale = gl.load(K_SCALE)
+    qk = sm_scale * LOG2E * oscale * up
+    for c in gl.static_range(KV_LORA // CH):
+        x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
+        q_s.index(c * CH // HALF).slice(c * CH % HALF, CH, dim=1).store(
+            (x.to(gl.float32) * down[:, None]).to(f8))
+    x = gl.load(qp_ptr, mask=mask_h, other=0.0)
+    qp_s.store((x.to(gl.float32) * down[:, None]).to(f8))
+    qk_s.store(qk)
+    fence_async_shared()
+    gl.thread_barrier()
+    # a partition's arguments are run-time values: the compile-time flag as a scalar
+    single = (n_tiles * 0 + SINGLE) != 0
+
+    args = (q_s, qp_s, ka_bufs, kp_bufs, vt_bufs, p_s, a_s, l_s, kfull, kfree, pfull, pfree,
+            lfull, n_tiles, n_last, qk_s, oscale, OUT, O_PART, LSE_PART, t, hb, sp,
+            num_heads, stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, stride_lt,
+            stride_lh, single)
+    fargs = (vt_bufs, p_s, a_s, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles, oscale, OUT,
+             O_PART, t, hb, sp, num_heads, stride_xt, stride_xh, stride_pt, stride_ph,
+             stride_ps, single)
+    page = n_tiles * 0 + PAGE
+    sargs = (C, BT, req, start, end, n_tiles, stride_bt, stride_cb, stride_cs, page,
+             ka_bufs, kp_bufs, vt_bufs, kfull, kfree)
+    gl.warp_specialize([
+        (_lead8, args),
+        (_follow8, fargs),
+        (_stage, sargs),
+    ], [4, 4], [FOLLOW_REGS, STAGE_REGS])
