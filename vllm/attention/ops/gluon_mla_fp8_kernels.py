@@ -24,9 +24,13 @@ the values, the follower applies it to the second half. What differs is what the
   The widening kernel stores 72 KiB of float16 a tile; this stores 68 KiB of bytes,
   and the MMAs read half as many bytes as from float16 operands in half the time.
 * in the transposed copy the value columns are permuted within each 128-column chunk
-  (column ``16 a + j`` of the chunk is row ``8 j + a``), so that the eight lanes of a
-  store write eight consecutive rows (one 128-byte line, no bank conflict) while each
-  lane loaded 16 consecutive bytes of a row; the output stores undo it.
+  (column ``16 a + j`` of the chunk is row ``16 (j // 2) + 2 a + j % 2``), so that the
+  eight lanes of a store write eight rows two apart (two-way bank conflicts at most)
+  while each lane read 16 consecutive bytes of a row, and the two adjacent columns an
+  MMA accumulator holds in a thread are two adjacent output columns (one 32-bit store);
+  the output stores undo it (:func:`_natural`). (A permutation to eight consecutive rows, free of
+  conflicts, scattered the output into 16-bit stores, each waiting for the one before
+  to read its register: a quarter of the lead's time.)
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from vllm.attention.ops.gluon_mla_lead_kernels import _prefetch_l2, _store_half
+from vllm.attention.ops.gluon_mla_lead_kernels import _store_half
 from vllm.attention.ops.triton_mla_decode_kernels import split_range
 
 jit: Callable[[Callable[..., Any]], Any] = gluon.jit
@@ -57,91 +61,115 @@ CH: gl.constexpr = gl.constexpr(128)
 """Columns of a chunk of the staged tile (the span of the value permutation)."""
 FOLLOW_REGS: gl.constexpr = gl.constexpr(168)
 """Registers a thread of the follower (its ``[64, L / 2]`` float32 accumulator takes 128)."""
-STAGE_REGS: gl.constexpr = gl.constexpr(112)
-"""Registers a thread of the staging warpgroup: a tile's bytes in flight (72)."""
+TRANSPOSE_REGS: gl.constexpr = gl.constexpr(112)
+"""Registers a thread of the transposing warpgroup."""
+STAGES: gl.constexpr = gl.constexpr(3)
+"""Tiles in the ring of copies (the keys; 36 KiB each)."""
 
 
 @jit
 def _transposed(x: gl.tensor) -> gl.tensor:
     """A ``[keys, 128]`` chunk as ``[128, keys]``, its column ``16 a + j`` as row
-    ``8 j + a`` (in registers: the staging layout gives a thread 16 consecutive columns
-    of 4 consecutive keys, so a row's 4 keys are one 32-bit store)."""
+    ``16 (j // 2) + 2 a + j % 2`` (in registers: the layout gives a thread 16 consecutive
+    columns of 4 consecutive keys, so a row's 4 keys are one 32-bit store)."""
     BLOCK_N: gl.constexpr = x.type.shape[0]
-    y = gl.reshape(x, [BLOCK_N, 8, 16])
-    y = gl.permute(y, [2, 1, 0])
+    y = gl.reshape(x, [BLOCK_N, 8, 8, 2])
+    y = gl.permute(y, [2, 1, 3, 0])
     return gl.reshape(y, [128, BLOCK_N])
 
 
 @jit
-def _stage(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end: gl.tensor,
-           n_tiles: gl.tensor, stride_bt: gl.tensor, stride_cb: gl.tensor,
-           stride_cs: gl.tensor, page: gl.tensor, ka_bufs: gl.shared_memory_descriptor,
-           kp_bufs: gl.shared_memory_descriptor, vt_bufs: gl.shared_memory_descriptor,
-           kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor) -> None:
-    """The staging warpgroup: tile ``k``'s bytes loaded into registers, then, once both
-    warpgroups are done with tile ``k - 2``, stored into buffer ``k % 2`` as keys
-    (``ka_bufs[2 b + h]``: latent half ``h``, ``kp_bufs[b]``: the rope) and as permuted,
-    transposed values (``vt_bufs[2 b + h]``); rows at or past ``end`` as zeros (their
-    bytes may be anything, NaN too). Tiles ahead are prefetched into L2 as in the
-    widening warpgroup of the 16-bit kernel."""
+def _natural(acc: gl.tensor) -> gl.tensor:
+    """A value accumulator ``[heads, L / 2]`` in the columns' own order: the inverse of
+    :func:`_transposed`'s permutation, in registers (which register holds which column
+    changes, not what a register holds)."""
+    BLOCK_H: gl.constexpr = acc.type.shape[0]
+    HALF: gl.constexpr = acc.type.shape[1]
+    y = gl.reshape(acc, [BLOCK_H, HALF // CH, 8, 8, 2])  # column 128 c + 16 (j // 2) + 2 a + j % 2
+    y = gl.permute(y, [0, 1, 3, 2, 4])
+    return gl.reshape(y, [BLOCK_H, HALF])  # column 128 c + 16 a + j
+
+
+@jit
+def _transpose(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor,
+               BT: gl.tensor, req: gl.tensor, start: gl.tensor, n_tiles: gl.tensor,
+               n_last: gl.tensor, stride_bt: gl.tensor, page: gl.tensor,
+               ka_bufs: gl.shared_memory_descriptor, kp_bufs: gl.shared_memory_descriptor,
+               vt_bufs: gl.shared_memory_descriptor, rfull: gl.shared_memory_descriptor,
+               rfree: gl.shared_memory_descriptor, vfull: gl.shared_memory_descriptor,
+               vfree: gl.shared_memory_descriptor) -> None:
+    """The transposing warpgroup: copies tile ``k + S - 1`` into stage ``(k + S - 1) % S``
+    of the ring (``S`` stages: ``ka_bufs[2 s + h]`` latent half ``h``, ``kp_bufs[s]``
+    the rope; the keys as the score MMAs read them) once its stage is free, then, once
+    tile ``k`` has landed and both warpgroups are done with the values of tile ``k - 2``,
+    stores tile ``k``'s latent permuted and transposed into ``vt_bufs[2 (k % 2) + h]``
+    (rows past the request's last position as zeros: their bytes may be anything, NaN
+    too, and a zero probability times NaN is NaN)."""
     BLOCK_N: gl.constexpr = ka_bufs.type.shape[1]
     HALF: gl.constexpr = ka_bufs.type.shape[2]
-    ROPE: gl.constexpr = kp_bufs.type.shape[2]
+    S: gl.constexpr = kp_bufs.type.shape[0]
     gl.static_assert(HALF == 2 * CH, "two 128-column chunks a latent half")
     # a thread: 4 consecutive keys x 16 consecutive bytes; a warp: 16 keys x 128 bytes
     BYTES: gl.constexpr = gl.BlockedLayout([4, 16], [4, 8], [4, 1], [1, 0])
-    ROPE_BYTES: gl.constexpr = gl.BlockedLayout([2, 16], [8, 4], [4, 1], [1, 0])
     rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, BYTES))
-    cols = gl.arange(0, CH, gl.SliceLayout(0, BYTES))
-    rows_r = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ROPE_BYTES))
-    cols_r = gl.arange(0, ROPE, gl.SliceLayout(0, ROPE_BYTES))
-    lines = gl.arange(0, 256, gl.BlockedLayout([2], [32], [4], [0])) * 128
-    span = BLOCK_N * stride_cs - 1
+    nbytes: gl.constexpr = 2 * LAT_DESC.block_type.nbytes + PE_DESC.block_type.nbytes
     bt_row = BT + req * stride_bt
+    for i in gl.static_range(S - 1):  # the first tiles, into free stages
+        if i < n_tiles:
+            n0 = start + i * BLOCK_N
+            row = gl.load(bt_row + n0 // page) * page + n0 % page
+            bar = rfull.index(i)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(LAT_DESC, [row, 0], bar, ka_bufs.index(2 * i))
+            tma.async_copy_global_to_shared(LAT_DESC, [row, HALF], bar,
+                                            ka_bufs.index(2 * i + 1))
+            tma.async_copy_global_to_shared(PE_DESC, [row, 2 * HALF], bar, kp_bufs.index(i))
+    # the block-table entry of the next copy, read an iteration ahead
     last = gl.maximum(n_tiles - 1, 0)
-    if n_tiles > 0:
-        for k0 in range(1, 3):
-            n2 = start + gl.minimum(k0, last) * BLOCK_N
-            blk2 = gl.load(bt_row + n2 // page).to(gl.int64)
-            tile = C + blk2 * stride_cb + (n2 % page).to(gl.int64) * stride_cs
-            _prefetch_l2(tile + gl.minimum(lines, span))
-            _prefetch_l2(tile + gl.minimum(lines + 256 * 128, span))
-    blk_next = gl.load(bt_row + start // page, mask=n_tiles > 0, other=0)
-    blk_pf = gl.load(bt_row + (start + gl.minimum(3, last) * BLOCK_N) // page,
-                     mask=n_tiles > 0, other=0)
+    blk_next = gl.load(bt_row + (start + gl.minimum(S - 1, last) * BLOCK_N) // page,
+                       mask=n_tiles > 0, other=0)
     for k in range(n_tiles):
+        j = k + S - 1
+        blk = blk_next
+        blk_next = gl.load(bt_row + (start + gl.minimum(j + 1, last) * BLOCK_N) // page)
+        if j < n_tiles:
+            s2 = j % S
+            n0 = start + j * BLOCK_N
+            row = blk * page + n0 % page  # (a TMA coordinate: 32 bits)
+            bar = rfull.index(s2)
+            mbarrier.wait(rfree.index(s2), ((j // S) - 1) & 1, pred=j >= S)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(LAT_DESC, [row, 0], bar, ka_bufs.index(2 * s2))
+            tma.async_copy_global_to_shared(LAT_DESC, [row, HALF], bar,
+                                            ka_bufs.index(2 * s2 + 1))
+            tma.async_copy_global_to_shared(PE_DESC, [row, 2 * HALF], bar, kp_bufs.index(s2))
+        s = k % S
         b = k % 2
-        n0 = start + k * BLOCK_N
-        blk = blk_next.to(gl.int64)
-        blk_next = gl.load(bt_row + (start + gl.minimum(k + 1, last) * BLOCK_N) // page)
-        tile = C + blk * stride_cb + (n0 % page).to(gl.int64) * stride_cs
-        base = tile + rows[:, None].to(gl.int64) * stride_cs
-        valid = (n0 + rows < end)[:, None]
-        x0 = gl.load(base + cols[None, :], mask=valid, other=0.0)
-        x1 = gl.load(base + CH + cols[None, :], mask=valid, other=0.0)
-        x2 = gl.load(base + 2 * CH + cols[None, :], mask=valid, other=0.0)
-        x3 = gl.load(base + 3 * CH + cols[None, :], mask=valid, other=0.0)
-        xr = gl.load(tile + rows_r[:, None].to(gl.int64) * stride_cs + 2 * HALF
-                     + cols_r[None, :], mask=(n0 + rows_r < end)[:, None], other=0.0)
-        mbarrier.wait(kfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
-        ka_bufs.index(2 * b).slice(0, CH, dim=1).store(x0)
-        ka_bufs.index(2 * b).slice(CH, CH, dim=1).store(x1)
-        ka_bufs.index(2 * b + 1).slice(0, CH, dim=1).store(x2)
-        ka_bufs.index(2 * b + 1).slice(CH, CH, dim=1).store(x3)
-        kp_bufs.index(b).store(xr)
-        vt_bufs.index(2 * b).slice(0, CH, dim=0).store(_transposed(x0))
-        vt_bufs.index(2 * b).slice(CH, CH, dim=0).store(_transposed(x1))
-        vt_bufs.index(2 * b + 1).slice(0, CH, dim=0).store(_transposed(x2))
-        vt_bufs.index(2 * b + 1).slice(CH, CH, dim=0).store(_transposed(x3))
-        # visible to the MMAs (the async proxy), every warp's, before the arrival
+        n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
+        valid = (rows < n_valid)[:, None]
+        mbarrier.wait(rfull.index(s), (k // S) & 1)
+        if n_valid < BLOCK_N:
+            # the last tile of a split: its rows past the end zeroed in the ring first (the
+            # lead's scores of those rows are masked whatever they read); a branch of its
+            # own, so that full tiles pay nothing for it
+            for h in gl.static_range(2):
+                raw = ka_bufs.index(2 * s + h)._reinterpret(
+                    gl.uint8, [BLOCK_N, HALF], ka_bufs.type.layout)
+                for c in gl.static_range(2):
+                    part = raw.slice(c * CH, CH, dim=1)
+                    x = part.load(BYTES)
+                    part.store(gl.where(valid, x, gl.zeros_like(x)))
+            gl.thread_barrier()
+        mbarrier.wait(vfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
+        for c in gl.static_range(4):
+            x = ka_bufs.index(2 * s + c // 2).slice((c % 2) * CH, CH, dim=1).load(BYTES)
+            vt_bufs.index(2 * b + c // 2).slice((c % 2) * CH, CH, dim=0).store(_transposed(x))
+        # visible to the MMAs (the async proxy), every warp's, before the arrivals (the
+        # stage read by every warp)
         fence_async_shared()
         gl.thread_barrier()
-        mbarrier.arrive(kfull.index(b))
-        n2 = start + gl.minimum(k + 3, last) * BLOCK_N
-        tile2 = C + blk_pf.to(gl.int64) * stride_cb + (n2 % page).to(gl.int64) * stride_cs
-        _prefetch_l2(tile2 + gl.minimum(lines, span))
-        _prefetch_l2(tile2 + gl.minimum(lines + 256 * 128, span))
-        blk_pf = gl.load(bt_row + (start + gl.minimum(k + 4, last) * BLOCK_N) // page)
+        mbarrier.arrive(rfree.index(s))
+        mbarrier.arrive(vfull.index(b))
 
 
 @jit
@@ -149,7 +177,8 @@ def _lead8(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
            ka_bufs: gl.shared_memory_descriptor, kp_bufs: gl.shared_memory_descriptor,
            vt_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descriptor,
            a_s: gl.shared_memory_descriptor, l_s: gl.shared_memory_descriptor,
-           kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+           rfull: gl.shared_memory_descriptor, rfree: gl.shared_memory_descriptor,
+           vfull: gl.shared_memory_descriptor, vfree: gl.shared_memory_descriptor,
            pfull: gl.shared_memory_descriptor, pfree: gl.shared_memory_descriptor,
            lfull: gl.shared_memory_descriptor, n_tiles: gl.tensor, n_last: gl.tensor,
            qk_s: gl.shared_memory_descriptor, oscale: gl.tensor, OUT: gl.tensor,
@@ -164,6 +193,7 @@ def _lead8(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
     BLOCK_N: gl.constexpr = ka_bufs.type.shape[1]
     HALF: gl.constexpr = ka_bufs.type.shape[2]
     BLOCK_H: gl.constexpr = q_s.type.shape[1]
+    S: gl.constexpr = kp_bufs.type.shape[0]
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
@@ -176,16 +206,18 @@ def _lead8(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, S_ROWS)
     qk = qk_s.load(S_ROWS)  # what turns a head's raw scores into base-2 logits (> 0)
     for k in range(n_tiles):
+        st = k % S
         b = k % 2
-        mbarrier.wait(kfull.index(b), (k // 2) & 1)
-        s = warpgroup_mma(qp_s, kp_bufs.index(b).permute((1, 0)),
+        mbarrier.wait(rfull.index(st), (k // S) & 1)
+        s = warpgroup_mma(qp_s, kp_bufs.index(st).permute((1, 0)),
                           gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT),
                           use_acc=False, is_async=True)
-        s = warpgroup_mma(q_s.index(0), ka_bufs.index(2 * b).permute((1, 0)), s,
+        s = warpgroup_mma(q_s.index(0), ka_bufs.index(2 * st).permute((1, 0)), s,
                           is_async=True)
-        s = warpgroup_mma(q_s.index(1), ka_bufs.index(2 * b + 1).permute((1, 0)), s,
+        s = warpgroup_mma(q_s.index(1), ka_bufs.index(2 * st + 1).permute((1, 0)), s,
                           is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_s, qp_s))[0]
+        mbarrier.arrive(rfree.index(st))  # the score MMAs are done with the stage
         n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
         if n_valid < BLOCK_N:
             keys = gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
@@ -204,18 +236,18 @@ def _lead8(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
         gl.thread_barrier()
         mbarrier.arrive(pfull.index(0))
         acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
+        mbarrier.wait(vfull.index(b), (k // 2) & 1)
         acc = warpgroup_mma(p_s, vt_bufs.index(2 * b).permute((1, 0)), acc, is_async=True)
         # waited for here, not across the loop's back edge (ptxas serialises every MMA
         # of the kernel otherwise: C7515)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_s))[0]
-        mbarrier.arrive(kfree.index(b))
+        mbarrier.arrive(vfree.index(b))
 
     l_s.store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(lfull.index(0))
-    _store_half(acc, gl.convert_layout(l_i, O_ROWS), OUT, O_PART, t, hb, sp, num_heads,
-                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0,
-                O_LAYOUT, CH)
+    _store_half(_natural(acc), l_i, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
+                stride_pt, stride_ph, stride_ps, single, oscale, 0)
     seen = l_i > 0.0
     lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)) - P_BIAS, float("-inf"))
     lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, S_ROWS)
@@ -226,7 +258,7 @@ def _lead8(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
 @jit
 def _follow8(vt_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descriptor,
              a_s: gl.shared_memory_descriptor, l_s: gl.shared_memory_descriptor,
-             kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+             vfull: gl.shared_memory_descriptor, vfree: gl.shared_memory_descriptor,
              pfull: gl.shared_memory_descriptor, pfree: gl.shared_memory_descriptor,
              lfull: gl.shared_memory_descriptor, n_tiles: gl.tensor, oscale: gl.tensor,
              OUT: gl.tensor, O_PART: gl.tensor, t: gl.tensor, hb: gl.tensor, sp: gl.tensor,
@@ -245,7 +277,7 @@ def _follow8(vt_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descrip
     for k in range(n_tiles):
         b = k % 2
         mbarrier.wait(pfull.index(0), k & 1)
-        mbarrier.wait(kfull.index(b), (k // 2) & 1)
+        mbarrier.wait(vfull.index(b), (k // 2) & 1)
         alpha = a_s.load(O_ROWS)
         acc = acc * alpha[:, None]
         acc = warpgroup_mma(p_s, vt_bufs.index(2 * b + 1).permute((1, 0)), acc,
@@ -254,12 +286,12 @@ def _follow8(vt_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descrip
         # every warp of the warpgroup is done with P, its factors and the buffer
         gl.thread_barrier()
         mbarrier.arrive(pfree.index(0))
-        mbarrier.arrive(kfree.index(b))
+        mbarrier.arrive(vfree.index(b))
 
     mbarrier.wait(lfull.index(0), 0)
     l_i = l_s.load(O_ROWS)
-    _store_half(acc, l_i, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
-                stride_pt, stride_ph, stride_ps, single, oscale, 1, O_LAYOUT, CH)
+    _store_half(_natural(acc), l_i, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
+                stride_pt, stride_ph, stride_ps, single, oscale, 1)
 
 
 @jit
@@ -318,12 +350,10 @@ def mla_decode_fp8_mma_kernel(
     n_tiles = gl.cdiv(end - start, BLOCK_N)
     n_last = end - start - (n_tiles - 1) * BLOCK_N  # rows of the last tile
 
-    # two buffers of a tile each: [buffer * 2 + half] latent halves as keys and as
-    # transposed values, [buffer] rope
-    ka_bufs = gl.allocate_shared_memory(
-        f8, [4, BLOCK_N, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], f8))
-    kp_bufs = gl.allocate_shared_memory(
-        f8, [2, BLOCK_N, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], f8))
+    # the ring of copied tiles, the keys: [stage * 2 + half] latent halves, [stage] rope;
+    # two buffers of transposed values: [buffer * 2 + half]
+    ka_bufs = gl.allocate_shared_memory(f8, [2 * STAGES, BLOCK_N, HALF], LAT_DESC.layout)
+    kp_bufs = gl.allocate_shared_memory(f8, [STAGES, BLOCK_N, ROPE], PE_DESC.layout)
     vt_bufs = gl.allocate_shared_memory(
         f8, [4, HALF, BLOCK_N], gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_N], f8))
     p_s = gl.allocate_shared_memory(
@@ -331,14 +361,19 @@ def mla_decode_fp8_mma_kernel(
     a_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
     l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
     qk_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
-    kfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    kfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    rfull = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    rfree = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    vfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    vfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     pfull = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     pfree = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     lfull = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(rfull.index(i), count=1)
+        mbarrier.init(rfree.index(i), count=2)  # the lead's scores and the transposition
     for i in gl.static_range(2):
-        mbarrier.init(kfull.index(i), count=1)
-        mbarrier.init(kfree.index(i), count=2)
+        mbarrier.init(vfull.index(i), count=1)
+        mbarrier.init(vfree.index(i), count=2)  # both value MMAs
     mbarrier.init(pfull.index(0), count=1)
     mbarrier.init(pfree.index(0), count=1)
     mbarrier.init(lfull.index(0), count=1)
@@ -375,18 +410,18 @@ def mla_decode_fp8_mma_kernel(
     # a partition's arguments are run-time values: the compile-time flag as a scalar
     single = (n_tiles * 0 + SINGLE) != 0
 
-    args = (q_s, qp_s, ka_bufs, kp_bufs, vt_bufs, p_s, a_s, l_s, kfull, kfree, pfull, pfree,
-            lfull, n_tiles, n_last, qk_s, oscale, OUT, O_PART, LSE_PART, t, hb, sp,
+    args = (q_s, qp_s, ka_bufs, kp_bufs, vt_bufs, p_s, a_s, l_s, rfull, rfree, vfull, vfree,
+            pfull, pfree, lfull, n_tiles, n_last, qk_s, oscale, OUT, O_PART, LSE_PART, t, hb, sp,
             num_heads, stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, stride_lt,
             stride_lh, single)
-    fargs = (vt_bufs, p_s, a_s, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles, oscale, OUT,
+    fargs = (vt_bufs, p_s, a_s, l_s, vfull, vfree, pfull, pfree, lfull, n_tiles, oscale, OUT,
              O_PART, t, hb, sp, num_heads, stride_xt, stride_xh, stride_pt, stride_ph,
              stride_ps, single)
     page = n_tiles * 0 + PAGE
-    sargs = (C, BT, req, start, end, n_tiles, stride_bt, stride_cb, stride_cs, page,
-             ka_bufs, kp_bufs, vt_bufs, kfull, kfree)
+    targs = (LAT_DESC, PE_DESC, BT, req, start, n_tiles, n_last, stride_bt, page, ka_bufs,
+             kp_bufs, vt_bufs, rfull, rfree, vfull, vfree)
     gl.warp_specialize([
         (_lead8, args),
         (_follow8, fargs),
-        (_stage, sargs),
-    ], [4, 4], [FOLLOW_REGS, STAGE_REGS])
+        (_transpose, targs),
+    ], [4, 4], [FOLLOW_REGS, TRANSPOSE_REGS])

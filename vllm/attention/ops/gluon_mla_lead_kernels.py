@@ -204,22 +204,19 @@ def _store_half(acc: gl.tensor, l_i: gl.tensor, OUT: gl.tensor, O_PART: gl.tenso
                 t: gl.tensor, hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor,
                 stride_xt: gl.tensor, stride_xh: gl.tensor, stride_pt: gl.tensor,
                 stride_ph: gl.tensor, stride_ps: gl.tensor, single: gl.tensor,
-                oscale: gl.tensor, W: gl.constexpr, O_LAYOUT: gl.constexpr,
-                PERM: gl.constexpr) -> None:
+                oscale: gl.tensor, W: gl.constexpr) -> None:
     """Warpgroup ``W``'s half of the output, normalised by the row sums ``l_i``: the
     output of one split, or the part of a split (masks, not a branch: ``single`` is a
     run-time value in a partition); ``oscale`` multiplies it (an fp8 cache's scale).
-    ``PERM`` 128: the accumulator's columns are the fp8 kernel's permuted ones (column
-    ``16 a + j`` of each 128 at ``8 j + a``)."""
+    The stores take the accumulator's layout, whatever it is."""
     BLOCK_H: gl.constexpr = acc.type.shape[0]
     HALF: gl.constexpr = acc.type.shape[1]
+    O_LAYOUT: gl.constexpr = acc.type.layout
     O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    l_i = gl.convert_layout(l_i, O_ROWS)
     out = acc * (oscale / gl.where(l_i > 0.0, l_i, 1.0))[:, None]
     oh = hb * BLOCK_H + gl.arange(0, BLOCK_H, O_ROWS)
-    oc = gl.arange(0, HALF, gl.SliceLayout(0, O_LAYOUT))
-    if PERM != 0:
-        oc = oc // PERM * PERM + oc % 8 * (PERM // 8) + oc % PERM // 8
-    oc = W * HALF + oc
+    oc = W * HALF + gl.arange(0, HALF, gl.SliceLayout(0, O_LAYOUT))
     omask = (oh < num_heads)[:, None]
     gl.store(OUT + t * stride_xt + oh[:, None] * stride_xh + oc[None, :],
              out.to(OUT.dtype.element_ty), mask=omask & single)
@@ -304,9 +301,8 @@ def _lead(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
     l_s.store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(lfull.index(0))
-    _store_half(acc, gl.convert_layout(l_i, O_ROWS), OUT, O_PART, t, hb, sp, num_heads,
-                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0,
-                O_LAYOUT, 0)
+    _store_half(acc, l_i, OUT, O_PART, t, hb, sp, num_heads,
+                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0)
     seen = l_i > 0.0
     lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
     lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, S_ROWS)
@@ -351,7 +347,7 @@ def _follow(ka_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descript
     mbarrier.wait(lfull.index(0), 0)
     l_i = l_s.load(O_ROWS)
     _store_half(acc, l_i, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
-                stride_pt, stride_ph, stride_ps, single, oscale, 1, O_LAYOUT, 0)
+                stride_pt, stride_ph, stride_ps, single, oscale, 1)
 
 
 @jit

@@ -334,7 +334,7 @@ def _gluon_descriptors(cache: torch.Tensor, L: int, R: int,
     rows = _tma_rows(cache)
     assert rows is not None  # checked by gluon_unsupported_reasons
     dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-             torch.uint8: gl.uint8}[cache.dtype]
+             torch.uint8: gl.uint8, torch.float8_e4m3fn: gl.float8e4nv}[cache.dtype]
     shape, strides = list(rows.shape), list(rows.stride())
 
     def desc(width: int) -> Any:
@@ -512,11 +512,13 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         # latent in halves, one for each warpgroup's values, and reads an fp8 cache as
         # its fp8 type (which says E4M3 or E5M2), the other as bytes
         lead = cfg.lead  # takes_lead, given takes_gluon above (checked once a call)
-        lat_d, pe_d = _gluon_descriptors(cache, L, R, lat_width=L // 2 if lead else None)
         kernel, launch = ((_lead_kernel(), {"num_warps": 4, "maxnreg": _LEAD_MAXNREG})
                           if lead else (_gluon_kernel(), {"num_warps": 8}))
-        if lead and cfg.fp8_mma and not fp8_mma_unsupported_reasons(kv_cache, L, R):
-            kernel = _fp8_mma_kernel()  # the lead kernel's arguments and launch
+        fp8_mma = lead and cfg.fp8_mma and not fp8_mma_unsupported_reasons(kv_cache, L, R)
+        if fp8_mma:  # the lead kernel's arguments and launch; its copies of E4M3 bytes
+            kernel = _fp8_mma_kernel()
+        lat_d, pe_d = _gluon_descriptors(kv_cache if fp8_mma else cache, L, R,
+                                         lat_width=L // 2 if lead else None)
         kernel[(head_tiles, splits, t)](
             q, qe, lat_d, pe_d, kv_cache if lead else cache, bt, req, pos,
             fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,
