@@ -292,6 +292,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # (fractions filled in at the end, against the run's fastest matmul)
                 rows.append({**base, "what": f"{name} layer", "path": path, "us": layer_us,
                              "fraction": 0.0})
+                if step.cache.dtype == torch.float8_e4m3fn and cuda:
+                    # the layer with its decode on fp8 tensor cores (E4M3 query and
+                    # probabilities: MLACommonImpl.fp8_mma)
+                    impl: Any = step.layer.impl
+                    impl.fp8_mma = True
+                    with step.active():
+                        step.layer_call()
+                        us8 = _time(step.layer_call, device, args.replays)
+                    impl.fp8_mma = False
+                    rows.append({**base, "what": f"{name} layer fp8-mma", "path": path,
+                                 "us": us8, "fraction": 0.0})
                 if name != args.backends[0] or not (cuda or args.interpret):
                     continue
                 err = step.check()

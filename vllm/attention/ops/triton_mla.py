@@ -118,7 +118,7 @@ def mla_decode_triton(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: 
                       token_req: torch.Tensor, token_pos: torch.Tensor, fmt: LatentFormat, *,
                       scale: float, max_seq_len: int, num_splits: int | None = None,
                       out_dtype: torch.dtype = torch.float32,
-                      q_pe: torch.Tensor | None = None) -> torch.Tensor:
+                      q_pe: torch.Tensor | None = None, fp8_mma: bool = False) -> torch.Tensor:
     """Dense absorbed decode, causal: the tensor-core kernel where it applies, else
     (``fp8_ds_mla``) the per-row kernel.
 
@@ -131,6 +131,8 @@ def mla_decode_triton(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: 
             of request ``token_req[i]``.
         max_seq_len: the longest context (sizes the split).
         out_dtype: the result's dtype.
+        fp8_mma: with an E4M3 cache, on sm_90, the fp8-MMA kernel (the query and the
+            probabilities rounded to E4M3: ``MLADecodeConfig.fp8_mma``).
     Returns:
         ``[Td, N, L]`` in ``out_dtype``.
     """
@@ -139,7 +141,7 @@ def mla_decode_triton(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     if not unsupported_reasons(fmt, q_lat.dtype):
         return mla_decode_mma(q_lat, kv_cache, block_table, token_req, token_pos, fmt,
                               scale=scale, max_seq_len=max_seq_len, num_splits=num_splits,
-                              out_dtype=out_dtype, q_pe=q_pe)
+                              out_dtype=out_dtype, q_pe=q_pe, fp8_mma=fp8_mma or None)
     if q_pe is not None:
         q_lat = torch.cat([q_lat, q_pe], dim=-1)
     return mla_decode_per_row(q_lat, kv_cache, block_table, token_req, token_pos, fmt,

@@ -410,7 +410,8 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                    token_req: torch.Tensor, token_pos: torch.Tensor, fmt: LatentFormat, *,
                    scale: float, max_seq_len: int, config: MLADecodeConfig | None = None,
                    num_splits: int | None = None, out_dtype: torch.dtype = torch.float32,
-                   q_pe: torch.Tensor | None = None) -> torch.Tensor:
+                   q_pe: torch.Tensor | None = None, fp8_mma: bool | None = None
+                   ) -> torch.Tensor:
     """Dense absorbed decode, causal, on tensor cores.
 
     Args:
@@ -426,6 +427,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         config: tiles and warps (default: :func:`default_config` for the device);
             ``num_splits`` overrides its split count.
         out_dtype: the result's dtype.
+        fp8_mma: overrides ``config.fp8_mma`` (None: the config's).
     Returns:
         ``[Td, N, L]`` in ``out_dtype``.
     """
@@ -458,6 +460,8 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     num_sms, gpu = (1, None) if interp else _device_facts(q_lat.device)
     fp8 = _FP8_CODES.get(kv_cache.dtype, 0)
     cfg = config or default_config(q_lat.dtype, gpu, num_heads=n, fp8=bool(fp8))
+    if fp8_mma is not None:
+        cfg = dataclasses.replace(cfg, fp8_mma=fp8_mma)
     if cfg.heads_as_n and not interp:
         raise InvalidArgumentError(
             "config.heads_as_n", True,

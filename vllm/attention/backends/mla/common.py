@@ -271,6 +271,10 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
         self.mla: MLALayerSpec = spec
         self.force_path: ComputePath | None = None
         """Tests and benchmarks pin a path (``torch``, ``triton`` or the vendor's)."""
+        self.fp8_mma = False
+        """With an E4M3 cache, the portable decode on sm_90 runs on fp8 tensor cores, the
+        query and the probabilities rounded to E4M3 (FlashMLA's fp8 numerics: less exact,
+        ``triton_mla_decode.FP8_MMA_TOLERANCE``; ``docs/mla.md``). Off by default."""
         self.last_path: ComputePath | None = None
         self._paths: dict[tuple[torch.device, int, bool], ComputePath] = {}
 
@@ -371,6 +375,7 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
                 self.mla.projection.absorb_query(q[..., :p]), kv_cache, meta.block_table,
                 meta.decode_token_req, meta.decode_token_pos, fmt, scale=scale,
                 max_seq_len=meta.max_decode_seq_len, out_dtype=q.dtype, q_pe=q[..., p:],
+                fp8_mma=self.fp8_mma,
             )
         v = self.vendor
         if v is None or path != v.name:
