@@ -72,6 +72,31 @@ def test_gluon_is_not_taken_under_the_interpreter(monkeypatch: pytest.MonkeyPatc
     assert any("interpreter" in r for r in _reasons())
 
 
+def test_fp8_mma_is_opt_in_and_says_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fp8-MMA kernel (E4M3 query and probabilities) is taken only when asked for,
+    for an E4M3 cache of DeepSeek's widths on the lead kernel's devices."""
+    import dataclasses
+
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    monkeypatch.setattr(tmd, "_interpreting", lambda: False)
+    e4m3 = torch.zeros(2, PAGE, L + R, dtype=torch.float8_e4m3fn)
+    cfg = tmd.default_config(torch.bfloat16, H90)
+    assert not cfg.fp8_mma
+    assert not tmd.takes_fp8_mma(cfg, torch.bfloat16, e4m3, L, R, H90, scale=1.0)
+    on = dataclasses.replace(cfg, fp8_mma=True)
+    assert tmd.fp8_mma_unsupported_reasons(e4m3, L, R) == []
+    assert (tmd.takes_fp8_mma(on, torch.bfloat16, e4m3, L, R, H90, scale=1.0)
+            == tmd.takes_lead(on, torch.bfloat16, e4m3, L, R, H90, scale=1.0))
+    assert not tmd.takes_fp8_mma(on, torch.bfloat16, e4m3, L, R, GPU("nvidia", (10, 0)),
+                                 scale=1.0)
+    e5m2 = e4m3.view(torch.float8_e5m2)
+    assert any("float8_e5m2" in r for r in tmd.fp8_mma_unsupported_reasons(e5m2, L, R))
+    assert not tmd.takes_fp8_mma(on, torch.bfloat16, e5m2, L, R, H90, scale=1.0)
+    narrow = torch.zeros(2, PAGE, 256 + R, dtype=torch.float8_e4m3fn)
+    assert any("kv_lora_rank=256" in r for r in tmd.fp8_mma_unsupported_reasons(narrow, 256, R))
+
+
 # -- on the GPU ------------------------------------------------------------------------
 
 SEQ_LENS = [4096, 1, 63, 64, 65, 127, 3001, 200]

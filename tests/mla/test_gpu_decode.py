@@ -136,12 +136,14 @@ def test_hardware_e4m3_nan_reaches_the_output() -> None:
     assert torch.isnan(out[0]).all() and torch.isfinite(out[1:]).all()
 
 
-@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("cache_dtype, fp8_mma", [("auto", False), ("fp8", False), ("fp8", True)],
+                         ids=["auto", "fp8", "fp8-mma"])
 @pytest.mark.parametrize("name", ["TRITON_MLA", "FLASHMLA"])
-def test_layer_decode_in_a_cuda_graph(name: str, cache_dtype: str) -> None:
+def test_layer_decode_in_a_cuda_graph(name: str, cache_dtype: str, fp8_mma: bool) -> None:
     """Write then compute through MLAAttention, eager and replayed from a CUDA graph;
-    the decode runs the tensor-core kernel, rows past the step's tokens are left alone,
-    and the result is within tolerance of the float32 torch path."""
+    the decode runs the tensor-core kernel (``fp8_mma``: the fp8-MMA one), rows past the
+    step's tokens are left alone, and the result is within tolerance of the float32
+    torch path."""
     from vllm.attention import allocate_kv_cache
     from vllm.attention.batch import make_paged_batch
     from vllm.attention.layer import MLAAttention
@@ -164,6 +166,14 @@ def test_layer_decode_in_a_cuda_graph(name: str, cache_dtype: str) -> None:
                               num_kv_heads=1, head_size=L + R, cache_dtype=cache_dtype,
                               model_dtype=torch.bfloat16, device="cuda")
     layer.bind_kv_cache(cache, PAGE)
+    layer.impl.fp8_mma = fp8_mma  # type: ignore[attr-defined]
+    if fp8_mma:
+        from vllm.attention.ops import triton_mla_decode as tmd
+
+        gpu = tmd.gpu_of(cache.device)
+        cfg = dataclasses.replace(tmd.default_config(torch.bfloat16, gpu), fp8_mma=True)
+        if not tmd.takes_fp8_mma(cfg, torch.bfloat16, cache, L, R, gpu, scale=spec.scale):
+            pytest.skip("the fp8-MMA kernel runs on NVIDIA sm_90 only")
     bf = dict(dtype=torch.bfloat16, device="cuda")
     n_ctx = int(batch.context_slots.numel())
     layer.kv_cache_writer.write(torch.randn(n_ctx, L, **bf), torch.randn(n_ctx, R, **bf), cache,
@@ -204,4 +214,9 @@ def test_layer_decode_in_a_cuda_graph(name: str, cache_dtype: str) -> None:
     assert torch.equal(scattered, eager)
     assert torch.all(eager[t:] == 7.0) and torch.all(replayed[t:] == 7.0)
     assert _err(replayed[:t].float(), eager[:t].double()) < 1e-3
-    assert _err(eager[:t].float(), ref[:t].double()) < TOL
+    if fp8_mma:
+        from vllm.attention.ops.triton_mla_decode import FP8_MMA_TOLERANCE
+
+        assert _err(eager[:t].float(), ref[:t].double()) < FP8_MMA_TOLERANCE
+    else:
+        assert _err(eager[:t].float(), ref[:t].double()) < TOL
