@@ -202,6 +202,7 @@ def record_paged(target: Target) -> list[Call]:
 
 def record_mla(target: Target) -> list[Call]:
     from vllm.attention.ops import gluon_mla_decode_kernels as gkern
+    from vllm.attention.ops import gluon_mla_fp8_kernels as fkern
     from vllm.attention.ops import gluon_mla_lead_kernels as lkern
     from vllm.attention.ops import triton_mla, triton_mla_decode
     from vllm.attention.ops import triton_mla_decode_kernels as dkern
@@ -224,6 +225,8 @@ def record_mla(target: Target) -> list[Call]:
                                                    gkern.mla_decode_gluon_kernel, calls),
                     _lead_kernel=lambda: Recorder("mla_decode_lead",
                                                   lkern.mla_decode_lead_kernel, calls),
+                    _fp8_mma_kernel=lambda: Recorder("mla_decode_fp8_mma",
+                                                     fkern.mla_decode_fp8_mma_kernel, calls),
                     _interpreting=lambda: False,
                     _device_facts=lambda device: (132, target.gpu)):
         for cdt, storage, width in (("auto", torch.bfloat16, 576),
@@ -239,10 +242,12 @@ def record_mla(target: Target) -> list[Call]:
                 triton_mla.mla_decode_triton(q128, cache, bt, req, pos, fmt, scale=0.1,
                                              max_seq_len=101)
                 # the Triton kernel where the default is a Gluon one (sm_90, 16-bit),
-                # and the split-scores Gluon kernel where the default is the lead one
+                # the split-scores Gluon kernel where the default is the lead one, and
+                # the opt-in fp8-MMA kernel (E4M3, sm_90)
                 cfg = triton_mla_decode.default_config(torch.bfloat16, target.gpu)
                 for other in (dataclasses.replace(cfg, gluon=False),
-                              dataclasses.replace(cfg, lead=False)):
+                              dataclasses.replace(cfg, lead=False),
+                              dataclasses.replace(cfg, fp8_mma=True)):
                     triton_mla_decode.mla_decode_mma(
                         q128, cache, bt, req, pos, fmt, scale=0.1, max_seq_len=101,
                         config=other)
