@@ -141,3 +141,28 @@ def test_vendor_capability_is_nvidia_only(hip: str | None, major: int | None,
     monkeypatch.setattr(torch.version, "hip", hip)
     assert mla_vendor._cuda_major(torch.device("cuda")) == major
     assert mla_vendor._cuda_major(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("raw, on", [(None, False), ("", False), ("0", False), ("off", False),
+                                     ("1", True), ("true", True), (" On ", True)])
+def test_fp8_mma_default_from_the_environment(raw: str | None, on: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``VLLM_MLA_FP8_MMA`` sets the default of ``MLACommonImpl.fp8_mma`` for the layers
+    built after it; a value it does not know is refused, naming the variable."""
+    from tests.mla.helpers import make_spec
+
+    if raw is None:
+        monkeypatch.delenv("VLLM_MLA_FP8_MMA", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_MLA_FP8_MMA", raw)
+    impl = get_backend("TRITON_MLA").get_impl_cls()(make_spec(cache_dtype="fp8"))
+    assert impl.fp8_mma is on
+
+
+def test_fp8_mma_environment_refuses_what_it_does_not_know(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.mla.helpers import make_spec
+
+    monkeypatch.setenv("VLLM_MLA_FP8_MMA", "tru")
+    with pytest.raises(InvalidArgumentError, match="VLLM_MLA_FP8_MMA: got 'tru'"):
+        get_backend("FLASHMLA").get_impl_cls()(make_spec(cache_dtype="fp8"))

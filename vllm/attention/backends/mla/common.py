@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import importlib
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Final, Generic, TypeVar
 
@@ -250,6 +251,24 @@ def portable_path(device: torch.device) -> ComputePath:
     return "torch"
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def fp8_mma_from_env() -> bool:
+    """``VLLM_MLA_FP8_MMA``: the default of :attr:`MLACommonImpl.fp8_mma` for the layers
+    built after it is read (``1``/``true``/``yes``/``on``; unset or ``0``/``false``/
+    ``no``/``off``: off). Any other value is refused, not read as off."""
+    raw = os.environ.get("VLLM_MLA_FP8_MMA", "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise InvalidArgumentError("VLLM_MLA_FP8_MMA", raw,
+                               "1, true, yes or on; or unset, 0, false, no or off")
+
+
 class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
     """Compute of one MLA layer over its latent cache. Never writes ``kv_cache``.
 
@@ -271,10 +290,11 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
         self.mla: MLALayerSpec = spec
         self.force_path: ComputePath | None = None
         """Tests and benchmarks pin a path (``torch``, ``triton`` or the vendor's)."""
-        self.fp8_mma = False
+        self.fp8_mma = fp8_mma_from_env()
         """With an E4M3 cache, the portable decode on sm_90 runs on fp8 tensor cores, the
         query and the probabilities rounded to E4M3 (FlashMLA's fp8 numerics: less exact,
-        ``triton_mla_decode.FP8_MMA_TOLERANCE``; ``docs/mla.md``). Off by default."""
+        ``triton_mla_decode.FP8_MMA_TOLERANCE``; ``docs/mla.md``). Off unless
+        ``VLLM_MLA_FP8_MMA`` is set (:func:`fp8_mma_from_env`)."""
         self.last_path: ComputePath | None = None
         self._paths: dict[tuple[torch.device, int, bool], ComputePath] = {}
 
