@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from vllm.attention.ops.gluon_mla_lead_kernels import _store_half
-from vllm.attention.ops.triton_mla_decode_kernels import split_range
+from vllm.attention.ops.triton_mla_decode_kernels import row_powers, split_range
 
 jit: Callable[[Callable[..., Any]], Any] = gluon.jit
 """``gluon.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
@@ -295,19 +295,6 @@ def _follow8(vt_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descrip
 
 
 @jit
-def e4m3_row_powers(amax: gl.tensor) -> tuple[gl.tensor, gl.tensor]:
-    """For rows whose largest magnitude is ``amax`` (float32): ``down = 2**-e``, which
-    puts that magnitude in ``[2**7, 2**8)`` (E4M3's largest finite value is 448), and
-    ``up = 2**e``; ``e`` clamped so that both are normal float32 numbers (a zero row,
-    padding, stays zero)."""
-    e = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 7
-    e = gl.minimum(gl.maximum(e, -100), 100)
-    down = ((127 - e) << 23).to(gl.float32, bitcast=True)
-    up = ((127 + e) << 23).to(gl.float32, bitcast=True)
-    return down, up
-
-
-@jit
 def mla_decode_fp8_mma_kernel(
     Q: gl.tensor, Q_PE: gl.tensor, LAT_DESC: tma.tensor_descriptor,
     PE_DESC: tma.tensor_descriptor, C: gl.tensor, BT: gl.tensor, TOK_REQ: gl.tensor,
@@ -390,12 +377,13 @@ def mla_decode_fp8_mma_kernel(
     offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
     qp_ptr = Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :]
     # a head's largest magnitude first (a pass over the query), then the query scaled
-    # by the power of two e4m3_row_powers gives and rounded to E4M3
+    # by the power of two that puts its largest magnitude in [2**7, 2**8) (E4M3's largest
+    # finite value is 448) and rounded to E4M3
     amax = gl.max(gl.abs(gl.load(qp_ptr, mask=mask_h, other=0.0).to(gl.float32)), 1)
     for c in gl.static_range(KV_LORA // CH):
         x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
         amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), 1))
-    down, up = e4m3_row_powers(amax)
+    down, up = row_powers(amax, 7)
     oscale = gl.load(K_SCALE)
     qk = sm_scale * LOG2E * oscale * up
     for c in gl.static_range(KV_LORA // CH):

@@ -103,16 +103,22 @@ def split_range(n_keys: tl.tensor, num_splits: tl.tensor, sp: tl.tensor,
 
 
 @jit
-def fp16_row_powers(amax: tl.tensor) -> tl.tensor:  # (down, up)
+def row_powers(amax: tl.tensor, TOP: tl.constexpr) -> tl.tensor:  # (down, up)
     """For rows whose largest magnitude is ``amax`` (float32, ``[M]``): ``down = 2**-e``,
-    which puts that magnitude in ``[2**14, 2**15)``, and ``up = 2**e``. ``floor(log2)``
-    comes from the exponent bits; ``e`` is clamped so that both are normal float32
-    numbers (a zero row, padding, gets ``2**100`` and stays zero)."""
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 14
+    which puts that magnitude in ``[2**TOP, 2**(TOP + 1))``, and ``up = 2**e``.
+    ``floor(log2)`` comes from the exponent bits; ``e`` is clamped so that both are
+    normal float32 numbers (a zero row, padding, gets ``2**100`` and stays zero)."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - TOP
     e = tl.minimum(tl.maximum(e, -100), 100)
     down = ((127 - e) << 23).to(tl.float32, bitcast=True)
     up = ((127 + e) << 23).to(tl.float32, bitcast=True)
     return down, up
+
+
+@jit
+def fp16_row_powers(amax: tl.tensor) -> tl.tensor:  # (down, up)
+    """:func:`row_powers` into float16's top binades: ``[2**14, 2**15)``."""
+    return row_powers(amax, 14)
 
 
 @jit
