@@ -2,9 +2,11 @@
 with the query and the probabilities rounded to E4M3 as well, so that both MMAs of a
 tile read the cache's bytes as they are (``MLADecodeConfig.fp8_mma``).
 
-This is the numerics of FlashMLA's fp8 decode, which upstream vLLM feeds with a query
-quantized to fp8 (``vllm/model_executor/layers/attention/mla_attention.py`` at
-0014ca6b: ``supports_quant_query_input``, ``_decode_concat_quant_fp8_op``), with two
+This is the arithmetic of FlashMLA's dense fp8 decode, which takes the query in fp8
+with a descale (upstream vLLM's ``vllm/v1/attention/backends/mla/flashmla.py`` at
+e75aca0c: ``flash_mla_with_kvcache_fp8(..., descale_q=...)``; the layer quantizes the
+query for backends that declare ``supports_quant_query_input``,
+``vllm/model_executor/layers/attention/mla_attention.py`` at 0014ca6b), with two
 differences that only make it closer to the exact result: the query is scaled a head at
 a time by a power of two (its largest magnitude into ``[128, 256)``: no clamping, where a
 per-tensor scale of 1.0 clamps every value past 448), and the probabilities are scaled
@@ -16,13 +18,14 @@ The schedule is :mod:`vllm.attention.ops.gluon_mla_lead_kernels`': the lead warp
 computes each 64-key tile's scores and softmax and applies ``P`` to the first half of
 the values, the follower applies it to the second half. What differs is what they read:
 
-* the staging warpgroup (:func:`_stage`) loads tile ``k``'s bytes into registers and,
-  once both warpgroups are done with tile ``k - 2``, stores them twice into buffer
-  ``k % 2``: as they are (the keys, ``[64 keys, L + R]``: the B operand of the score
-  MMAs is K-major, as the cache is) and transposed (the values, ``[L, 64 keys]``: an
-  fp8 MMA takes its B operand K-major only, and the K of the value MMA is the keys).
-  The widening kernel stores 72 KiB of float16 a tile; this stores 68 KiB of bytes,
-  and the MMAs read half as many bytes as from float16 operands in half the time.
+* the transposing warpgroup (:func:`_transpose`) copies each tile by TMA into a ring of
+  three stages, where the score MMAs read the keys as they are (``[64 keys, L + R]``:
+  their B operand is K-major, as the cache is), and writes the tile's latent transposed
+  into one of two value buffers (``[L, 64 keys]``: an fp8 MMA takes its B operand
+  K-major only, and the K of the value MMA is the keys). The widening kernel stores 72
+  KiB of float16 a tile; this stores 32 KiB of bytes beside the 36 KiB the copy
+  writes, and the MMAs read half as many bytes as from float16 operands in half the
+  time.
 * in the transposed copy the value columns are permuted within each 128-column chunk
   (column ``16 a + j`` of the chunk is row ``16 (j // 2) + 2 a + j % 2``), so that the
   eight lanes of a store write eight rows two apart (two-way bank conflicts at most)
@@ -58,7 +61,7 @@ LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 P_BIAS: gl.constexpr = gl.constexpr(8.0)
 """``log2`` of the factor the probabilities carry into E4M3 (``[0, 256]``)."""
 CH: gl.constexpr = gl.constexpr(128)
-"""Columns of a chunk of the staged tile (the span of the value permutation)."""
+"""Columns of a chunk of the transposed tile (the span of the value permutation)."""
 FOLLOW_REGS: gl.constexpr = gl.constexpr(168)
 """Registers a thread of the follower (its ``[64, L / 2]`` float32 accumulator takes 128)."""
 TRANSPOSE_REGS: gl.constexpr = gl.constexpr(112)
@@ -311,9 +314,10 @@ def mla_decode_fp8_mma_kernel(
 ) -> None:
     """One (head tile, split, token) program; grid ``(head tiles, splits, tokens)``;
     the arguments of :func:`~vllm.attention.ops.gluon_mla_lead_kernels.mla_decode_lead_kernel`
-    (the descriptors unused: the staging warpgroup loads the bytes itself), with ``C``
-    an E4M3 cache (``FP8`` 1), ``KV_LORA`` 512. ``num_warps`` 4: the lead warpgroup; the
-    follower and the staging warpgroup are the partitions' own.
+    (``LAT_DESC`` / ``PE_DESC``: the E4M3 cache's ``[64, L / 2]`` and ``[64, R]`` blocks;
+    ``C`` unused), ``FP8`` 1 (E4M3), ``KV_LORA`` 512, ``ROPE`` 64. ``num_warps`` 4: the
+    lead warpgroup; the follower and the transposing warpgroup are the partitions'
+    own.
 
     The query is rounded to E4M3 a head at a time after a power of two puts its largest
     magnitude in ``[128, 256)``; that power, ``sm_scale`` and ``K_SCALE`` multiply the
