@@ -17,7 +17,9 @@ fp8 (E4M3, scale 0.37) caches. Measured in the same run:
   ``gluon``, with the Triton kernel it replaced timed beside it; the Triton kernel
   elsewhere) and the per-row kernel (``mla_decode_per_row``), and the layer's pieces
   one by one ("layer: write", "absorb", "decode" on the layer's strided inputs,
-  "project").
+  "project"); with an E4M3 cache also the layer and the decode on the opt-in fp8-MMA
+  kernel ("layer fp8-mma", path ``gluon-fp8-mma``: the query and the probabilities
+  rounded to E4M3, checked against ``FP8_MMA_TOLERANCE``).
 
 The roofline of a step is ``max(flops / matmul rate, bytes / read rate)`` with
 ``flops = 2 B N S (L + R) + 2 B N S L`` (scores and values) and ``bytes = B S (L + R)``
