@@ -294,7 +294,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # (fractions filled in at the end, against the run's fastest matmul)
                 rows.append({**base, "what": f"{name} layer", "path": path, "us": layer_us,
                              "fraction": 0.0})
-                if step.cache.dtype == torch.float8_e4m3fn and cuda:
+                if (step.cache.dtype == torch.float8_e4m3fn and cuda
+                        and step.kernel_path() == "gluon-lead"):
                     # the layer with its decode on fp8 tensor cores (E4M3 query and
                     # probabilities: MLACommonImpl.fp8_mma)
                     impl: Any = step.layer.impl
