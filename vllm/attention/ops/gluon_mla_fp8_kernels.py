@@ -51,13 +51,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from vllm.attention.ops.gluon_mla_lead_kernels import _store_half
-from vllm.attention.ops.triton_mla_decode_kernels import row_powers, split_range
+from vllm.attention.ops.gluon_mla_lead_kernels import _query_to_shared, _store_half
+from vllm.attention.ops.triton_mla_decode_kernels import split_range
 
 jit: Callable[[Callable[..., Any]], Any] = gluon.jit
 """``gluon.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
 
-LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 P_BIAS: gl.constexpr = gl.constexpr(8.0)
 """``log2`` of the factor the probabilities carry into E4M3 (``[0, 256]``)."""
 CH: gl.constexpr = gl.constexpr(128)
@@ -374,31 +373,10 @@ def mla_decode_fp8_mma_kernel(
         f8, [2, BLOCK_H, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], f8))
     qp_s = gl.allocate_shared_memory(
         f8, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], f8))
-    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LOAD))
-    mask_h = (offs_h < num_heads)[:, None]
-    cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
-    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
-    qp_ptr = Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :]
-    # a head's largest magnitude first (a pass over the query), then the query scaled
-    # by the power of two that puts its largest magnitude in [2**7, 2**8) (E4M3's largest
-    # finite value is 448) and rounded to E4M3
-    amax = gl.max(gl.abs(gl.load(qp_ptr, mask=mask_h, other=0.0).to(gl.float32)), 1)
-    for c in gl.static_range(KV_LORA // CH):
-        x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
-        amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), 1))
-    down, up = row_powers(amax, 7)
-    oscale = gl.load(K_SCALE)
-    qk = sm_scale * LOG2E * oscale * up
-    for c in gl.static_range(KV_LORA // CH):
-        x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
-        q_s.index(c * CH // HALF).slice(c * CH % HALF, CH, dim=1).store(
-            (x.to(gl.float32) * down[:, None]).to(f8))
-    x = gl.load(qp_ptr, mask=mask_h, other=0.0)
-    qp_s.store((x.to(gl.float32) * down[:, None]).to(f8))
-    qk_s.store(qk)
-    fence_async_shared()
-    gl.thread_barrier()
+    # each head scaled into E4M3's top binades ([2**7, 2**8): its largest finite value is
+    # 448) and rounded
+    oscale = _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
+                              stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s, 7, LOAD)
     # a partition's arguments are run-time values: the compile-time flag as a scalar
     single = (n_tiles * 0 + SINGLE) != 0
 

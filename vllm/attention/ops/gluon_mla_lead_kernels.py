@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from vllm.attention.ops.gluon_mla_decode_kernels import widen_fp8
-from vllm.attention.ops.triton_mla_decode_kernels import fp16_row_powers, split_range
+from vllm.attention.ops.triton_mla_decode_kernels import row_powers, split_range
 
 jit: Callable[[Callable[..., Any]], Any] = gluon.jit
 """``gluon.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
@@ -182,6 +182,57 @@ def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end:
         _prefetch_l2(tile + gl.minimum(lines, span))
         _prefetch_l2(tile + gl.minimum(lines + 256 * 128, span))
         blk_pf = gl.load(bt_row + (start + gl.minimum(k + 4, last) * BLOCK_N) // page)
+
+
+@jit
+def _query_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tensor,
+                     num_heads: gl.tensor, stride_qt: gl.tensor, stride_qh: gl.tensor,
+                     stride_et: gl.tensor, stride_eh: gl.tensor, sm_scale: gl.tensor,
+                     K_SCALE: gl.tensor, q_s: gl.shared_memory_descriptor,
+                     qp_s: gl.shared_memory_descriptor, qk_s: gl.shared_memory_descriptor,
+                     TOP: gl.constexpr, LOAD: gl.constexpr) -> gl.tensor:
+    """Token ``t``'s query of head tile ``hb`` into shared memory, the score MMAs' A
+    operands (``q_s``: the latent in halves, ``qp_s``: the rope, in their dtype), and in
+    ``qk_s`` what turns a head's raw scores into base-2 logits; visible to the MMAs
+    after. ``TOP`` 0: the query as it is (a cache in the model's dtype). Else (a scaled
+    fp8 cache) each head scaled by the power of two that puts its largest magnitude in
+    ``[2**TOP, 2**(TOP + 1))`` (:func:`row_powers`; a pass over the query first) and
+    converted, that power and ``K_SCALE`` multiplying the scores. Returns what multiplies
+    the output: ``K_SCALE``'s value, or 1."""
+    BLOCK_H: gl.constexpr = q_s.type.shape[1]
+    HALF: gl.constexpr = q_s.type.shape[2]
+    ROPE: gl.constexpr = qp_s.type.shape[1]
+    dtype: gl.constexpr = q_s.dtype
+    CH: gl.constexpr = 128 if HALF >= 128 else HALF
+    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LOAD))
+    mask_h = (offs_h < num_heads)[:, None]
+    cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
+    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
+    qp_ptr = Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :]
+    qk = gl.full([BLOCK_H], sm_scale * LOG2E, gl.float32, gl.SliceLayout(1, LOAD))
+    oscale = sm_scale * 0.0 + 1.0
+    if TOP != 0:
+        amax = gl.max(gl.abs(gl.load(qp_ptr, mask=mask_h, other=0.0).to(gl.float32)), 1)
+        for c in gl.static_range(2 * HALF // CH):
+            x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
+            amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), 1))
+        down, up = row_powers(amax, TOP)
+        oscale = gl.load(K_SCALE)
+        qk = qk * oscale * up
+    for c in gl.static_range(2 * HALF // CH):
+        x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
+        if TOP != 0:
+            x = (x.to(gl.float32) * down[:, None]).to(dtype)
+        q_s.index(c * CH // HALF).slice(c * CH % HALF, CH, dim=1).store(x)
+    x = gl.load(qp_ptr, mask=mask_h, other=0.0)
+    if TOP != 0:
+        x = (x.to(gl.float32) * down[:, None]).to(dtype)
+    qp_s.store(x)
+    qk_s.store(qk)
+    fence_async_shared()
+    gl.thread_barrier()
+    return oscale
 
 
 @jit
@@ -381,7 +432,6 @@ def mla_decode_lead_kernel(
     dtype: gl.constexpr = gl.float16 if FP8 != 0 else Q.dtype.element_ty
     HALF: gl.constexpr = KV_LORA // 2
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    CH: gl.constexpr = 128 if HALF >= 128 else HALF
     F32_ROW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
     hb = gl.program_id(0)
@@ -428,36 +478,10 @@ def mla_decode_lead_kernel(
                                                                         dtype))
     qp_s = gl.allocate_shared_memory(
         dtype, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype))
-    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LOAD))
-    mask_h = (offs_h < num_heads)[:, None]
-    cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
-    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
-    qp_ptr = Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :]
-    qk = gl.full([BLOCK_H], sm_scale * LOG2E, gl.float32, gl.SliceLayout(1, LOAD))
-    oscale = sm_scale * 0.0 + 1.0
-    if FP8 != 0:
-        # a head's largest magnitude first (a pass over the query), then the query in
-        # float16 scaled by the power of two fp16_row_powers gives
-        amax = gl.max(gl.abs(gl.load(qp_ptr, mask=mask_h, other=0.0).to(gl.float32)), 1)
-        for c in gl.static_range(KV_LORA // CH):
-            x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
-            amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), 1))
-        down, up = fp16_row_powers(amax)
-        oscale = gl.load(K_SCALE)
-        qk = qk * oscale * up
-    for c in gl.static_range(KV_LORA // CH):
-        x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
-        if FP8 != 0:
-            x = (x.to(gl.float32) * down[:, None]).to(dtype)
-        q_s.index(c * CH // HALF).slice(c * CH % HALF, CH, dim=1).store(x)
-    x = gl.load(qp_ptr, mask=mask_h, other=0.0)
-    if FP8 != 0:
-        x = (x.to(gl.float32) * down[:, None]).to(dtype)
-    qp_s.store(x)
-    qk_s.store(qk)
-    fence_async_shared()
-    gl.thread_barrier()
+    # an fp8 cache: the query scaled into float16's top binades
+    oscale = _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
+                              stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s,
+                              14 if FP8 != 0 else 0, LOAD)
     # a partition's arguments are run-time values: the compile-time flag as a scalar
     single = (n_tiles * 0 + SINGLE) != 0
 
