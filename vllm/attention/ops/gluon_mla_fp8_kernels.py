@@ -51,7 +51,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from vllm.attention.ops.gluon_mla_lead_kernels import _query_to_shared, _store_half
+from vllm.attention.ops.gluon_mla_lead_kernels import (
+    _follow_values,
+    _query_to_shared,
+    _store_half,
+)
 from vllm.attention.ops.triton_mla_decode_kernels import split_range
 
 jit: Callable[[Callable[..., Any]], Any] = gluon.jit
@@ -268,30 +272,11 @@ def _follow8(vt_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descrip
              stride_pt: gl.tensor, stride_ph: gl.tensor, stride_ps: gl.tensor,
              single: gl.tensor) -> None:
     """The follower warpgroup: each tile's ``P`` (from the lead) on the second half of
-    the values, then that half of the output."""
-    BLOCK_H: gl.constexpr = p_s.type.shape[0]
-    HALF: gl.constexpr = vt_bufs.type.shape[1]
-    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 32])
-    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
-    for k in range(n_tiles):
-        b = k % 2
-        mbarrier.wait(pfull.index(0), k & 1)
-        mbarrier.wait(vfull.index(b), (k // 2) & 1)
-        alpha = a_s.load(O_ROWS)
-        acc = acc * alpha[:, None]
-        acc = warpgroup_mma(p_s, vt_bufs.index(2 * b + 1).permute((1, 0)), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_s))[0]
-        # every warp of the warpgroup is done with P, its factors and the buffer
-        gl.thread_barrier()
-        mbarrier.arrive(pfree.index(0))
-        mbarrier.arrive(vfree.index(b))
-
+    the values (:func:`~vllm.attention.ops.gluon_mla_lead_kernels._follow_values` on the
+    transposed copies), then that half of the output."""
+    acc = _follow_values(vt_bufs, p_s, a_s, vfull, vfree, pfull, pfree, n_tiles, True)
     mbarrier.wait(lfull.index(0), 0)
-    l_i = l_s.load(O_ROWS)
+    l_i = l_s.load(gl.SliceLayout(1, acc.type.layout))
     _store_half(_natural(acc), l_i, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
                 stride_pt, stride_ph, stride_ps, single, oscale, 1)
 

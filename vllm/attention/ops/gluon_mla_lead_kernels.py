@@ -362,6 +362,46 @@ def _lead(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
 
 
 @jit
+def _follow_values(vbufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descriptor,
+                   a_s: gl.shared_memory_descriptor, vfull: gl.shared_memory_descriptor,
+                   vfree: gl.shared_memory_descriptor, pfull: gl.shared_memory_descriptor,
+                   pfree: gl.shared_memory_descriptor, n_tiles: gl.tensor,
+                   TRANSPOSED: gl.constexpr) -> gl.tensor:
+    """The follower warpgroup's loop: each tile's ``P`` (from the lead) applied to the
+    second half of the values, ``vbufs[2 (k % 2) + 1]`` (``vfull`` / ``vfree`` its
+    barriers), the accumulator rescaled by the lead's factors first; returns the
+    accumulator. ``TRANSPOSED``: the values are the fp8-MMA kernel's ``[L / 2, keys]``
+    E4M3 copies (an fp8 MMA, K 32), else ``[keys, L / 2]`` 16-bit tiles (K 16)."""
+    BLOCK_H: gl.constexpr = p_s.type.shape[0]
+    HALF: gl.constexpr = vbufs.type.shape[1] if TRANSPOSED else vbufs.type.shape[2]
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1],
+        instr_shape=[16, HALF, 32 if TRANSPOSED else 16])
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
+    for k in range(n_tiles):
+        b = k % 2
+        mbarrier.wait(pfull.index(0), k & 1)
+        # (landed before the lead published P; waited for here too, so this MMA is
+        # ordered after the copy by a barrier of its own)
+        mbarrier.wait(vfull.index(b), (k // 2) & 1)
+        alpha = a_s.load(O_ROWS)
+        acc = acc * alpha[:, None]
+        if TRANSPOSED:
+            acc = warpgroup_mma(p_s, vbufs.index(2 * b + 1).permute((1, 0)), acc,
+                                is_async=True)
+        else:
+            acc = warpgroup_mma(p_s, vbufs.index(2 * b + 1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_s))[0]
+        # every warp of the warpgroup is done with P, its factors and the buffer
+        gl.thread_barrier()
+        mbarrier.arrive(pfree.index(0))
+        mbarrier.arrive(vfree.index(b))
+    return acc
+
+
+@jit
 def _follow(ka_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descriptor,
             a_s: gl.shared_memory_descriptor, l_s: gl.shared_memory_descriptor,
             kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
@@ -372,31 +412,10 @@ def _follow(ka_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descript
             stride_pt: gl.tensor, stride_ph: gl.tensor, stride_ps: gl.tensor,
             single: gl.tensor) -> None:
     """The follower warpgroup: each tile's ``P`` (from the lead) on the second half of
-    the values, then that half of the output."""
-    BLOCK_H: gl.constexpr = p_s.type.shape[0]
-    HALF: gl.constexpr = ka_bufs.type.shape[2]
-    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
-    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
-    for k in range(n_tiles):
-        b = k % 2
-        mbarrier.wait(pfull.index(0), k & 1)
-        # (landed before the lead published P; waited for here too, so this MMA is
-        # ordered after the copy by a barrier of its own)
-        mbarrier.wait(kfull.index(b), (k // 2) & 1)
-        alpha = a_s.load(O_ROWS)
-        acc = acc * alpha[:, None]
-        acc = warpgroup_mma(p_s, ka_bufs.index(2 * b + 1), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_s))[0]
-        # every warp of the warpgroup is done with P, its factors and the buffer
-        gl.thread_barrier()
-        mbarrier.arrive(pfree.index(0))
-        mbarrier.arrive(kfree.index(b))
-
+    the values (:func:`_follow_values`), then that half of the output."""
+    acc = _follow_values(ka_bufs, p_s, a_s, kfull, kfree, pfull, pfree, n_tiles, False)
     mbarrier.wait(lfull.index(0), 0)
-    l_i = l_s.load(O_ROWS)
+    l_i = l_s.load(gl.SliceLayout(1, acc.type.layout))
     _store_half(acc, l_i, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
                 stride_pt, stride_ph, stride_ps, single, oscale, 1)
 
