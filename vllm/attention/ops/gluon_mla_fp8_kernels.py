@@ -38,10 +38,6 @@ the values, the follower applies it to the second half. What differs is what the
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -55,11 +51,9 @@ from vllm.attention.ops.gluon_mla_lead_kernels import (
     _follow_values,
     _query_to_shared,
     _store_half,
+    jit,
 )
 from vllm.attention.ops.triton_mla_decode_kernels import split_range
-
-jit: Callable[[Callable[..., Any]], Any] = gluon.jit
-"""``gluon.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
 
 P_BIAS: gl.constexpr = gl.constexpr(8.0)
 """``log2`` of the factor the probabilities carry into E4M3 (``[0, 256]``)."""
