@@ -141,7 +141,7 @@ def mla_decode_triton(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     if not unsupported_reasons(fmt, q_lat.dtype):
         return mla_decode_mma(q_lat, kv_cache, block_table, token_req, token_pos, fmt,
                               scale=scale, max_seq_len=max_seq_len, num_splits=num_splits,
-                              out_dtype=out_dtype, q_pe=q_pe, fp8_mma=fp8_mma or None)
+                              out_dtype=out_dtype, q_pe=q_pe, fp8_mma=fp8_mma)
     if q_pe is not None:
         q_lat = torch.cat([q_lat, q_pe], dim=-1)
     return mla_decode_per_row(q_lat, kv_cache, block_table, token_req, token_pos, fmt,

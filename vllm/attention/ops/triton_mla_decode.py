@@ -460,7 +460,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     num_sms, gpu = (1, None) if interp else _device_facts(q_lat.device)
     fp8 = _FP8_CODES.get(kv_cache.dtype, 0)
     cfg = config or default_config(q_lat.dtype, gpu, num_heads=n, fp8=bool(fp8))
-    if fp8_mma is not None:
+    if fp8_mma is not None and fp8_mma != cfg.fp8_mma:  # (no copy a call otherwise)
         cfg = dataclasses.replace(cfg, fp8_mma=fp8_mma)
     if cfg.heads_as_n and not interp:
         raise InvalidArgumentError(
