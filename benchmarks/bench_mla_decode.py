@@ -152,8 +152,9 @@ class Step:
     def kernel(self, variant: str = "default") -> Callable[[], torch.Tensor]:
         """The decode alone on the contiguous absorbed query: ``default`` (the launch the
         device gets), ``gluon`` (the Gluon kernel with split scores where the default is
-        the lead-warpgroup one), ``triton`` (the Triton tensor-core kernel where the
-        default is a Gluon one), ``fp8-mma`` (the fp8-MMA kernel, an E4M3 cache) or
+        the lead-warpgroup one), ``gluon-lead`` (the lead-warpgroup kernel where the
+        default is the few-heads one), ``triton`` (the Triton tensor-core kernel where
+        the default is a Gluon one), ``fp8-mma`` (the fp8-MMA kernel, an E4M3 cache) or
         ``per-row`` (the per-row kernel)."""
         from vllm.attention.ops.triton_mla import mla_decode_per_row, mla_decode_triton
         from vllm.attention.ops.triton_mla_decode import default_config, mla_decode_mma
@@ -165,9 +166,11 @@ class Step:
         if variant == "per-row":
             return lambda: mla_decode_per_row(*args, scale=self.spec.scale,
                                               max_seq_len=m.max_decode_seq_len)
-        if variant in ("triton", "gluon", "fp8-mma"):
+        if variant in ("triton", "gluon", "gluon-lead", "fp8-mma"):
             base = default_config(q_lat.dtype, gpu_of(q_lat.device))
-            cfg = (dataclasses.replace(base, fp8_mma=True) if variant == "fp8-mma" else
+            cfg = (dataclasses.replace(base, fp8_mma=True, few_heads=False)
+                   if variant == "fp8-mma" else dataclasses.replace(base, few_heads=False)
+                   if variant == "gluon-lead" else
                    dataclasses.replace(base, gluon=variant == "gluon", lead=False))
             return lambda: mla_decode_mma(*args, scale=self.spec.scale,
                                           max_seq_len=m.max_decode_seq_len, config=cfg,
@@ -177,13 +180,22 @@ class Step:
                                          out_dtype=torch.bfloat16)
 
     def kernel_path(self) -> str:
-        """``gluon-lead`` or ``gluon`` where the default decode runs a Gluon kernel
-        (the lead-warpgroup one or the one with split scores), else ``triton``."""
-        from vllm.attention.ops.triton_mla_decode import default_config, takes_gluon, takes_lead
+        """``gluon-few-heads``, ``gluon-lead`` or ``gluon`` where the default decode runs
+        a Gluon kernel (the few-heads one, the lead-warpgroup one or the one with split
+        scores), else ``triton``."""
+        from vllm.attention.ops.triton_mla_decode import (
+            default_config,
+            takes_few_heads,
+            takes_gluon,
+            takes_lead,
+        )
 
         gpu = gpu_of(self.q.device)
         cfg = default_config(self.q.dtype, gpu)
         # (an fp8_ds_mla cache, bytes: takes_gluon says no, as the launcher routes it)
+        if takes_few_heads(cfg, self.q.dtype, self.cache, L, R, gpu, scale=self.spec.scale,
+                           num_heads=self.spec.num_heads):
+            return "gluon-few-heads"
         if takes_lead(cfg, self.q.dtype, self.cache, L, R, gpu, scale=self.spec.scale):
             return "gluon-lead"
         if takes_gluon(cfg, self.q.dtype, self.cache, L, R, gpu, scale=self.spec.scale):
@@ -315,12 +327,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 variants: list[tuple[str, str, str, float | None]] = [
                     ("decode kernel", "default", kernel_path, err)]
                 # the kernels the default replaced, beside it
-                earlier = {"gluon-lead": ["gluon", "triton"], "gluon": ["triton"]}
+                earlier = {"gluon-few-heads": ["gluon-lead", "gluon", "triton"],
+                           "gluon-lead": ["gluon", "triton"], "gluon": ["triton"]}
                 for alt in earlier.get(kernel_path, []):
                     err_t = step.check(alt)
                     failed |= not err_t < tol
                     variants.append(("decode kernel", alt, alt, err_t))
-                if kernel_path == "gluon-lead" and step.cache.dtype == torch.float8_e4m3fn:
+                if (kernel_path in ("gluon-lead", "gluon-few-heads")
+                        and step.cache.dtype == torch.float8_e4m3fn):
                     # E4M3 query and probabilities: a tolerance of its own
                     from vllm.attention.ops.triton_mla_decode import FP8_MMA_TOLERANCE
 

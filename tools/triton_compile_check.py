@@ -202,6 +202,7 @@ def record_paged(target: Target) -> list[Call]:
 
 def record_mla(target: Target) -> list[Call]:
     from vllm.attention.ops import gluon_mla_decode_kernels as gkern
+    from vllm.attention.ops import gluon_mla_few_heads_kernels as hkern
     from vllm.attention.ops import gluon_mla_fp8_kernels as fkern
     from vllm.attention.ops import gluon_mla_lead_kernels as lkern
     from vllm.attention.ops import triton_mla, triton_mla_decode
@@ -227,6 +228,9 @@ def record_mla(target: Target) -> list[Call]:
                                                   lkern.mla_decode_lead_kernel, calls),
                     _fp8_mma_kernel=lambda: Recorder("mla_decode_fp8_mma",
                                                      fkern.mla_decode_fp8_mma_kernel, calls),
+                    _few_heads_kernel=lambda: Recorder("mla_decode_few_heads",
+                                                       hkern.mla_decode_few_heads_kernel,
+                                                       calls),
                     _interpreting=lambda: False,
                     _device_facts=lambda device: (132, target.gpu)):
         for cdt, storage, width in (("auto", torch.bfloat16, 576),
@@ -237,6 +241,12 @@ def record_mla(target: Target) -> list[Call]:
             q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
             triton_mla.mla_decode_triton(q, cache, bt, req, pos, fmt, scale=0.1,
                                          max_seq_len=101)
+            if cdt != "fp8_ds_mla":  # 16 heads on the lead kernel where the default is
+                # the few-heads one (sm_90)
+                cfg16 = triton_mla_decode.default_config(torch.bfloat16, target.gpu)
+                triton_mla_decode.mla_decode_mma(
+                    q, cache, bt, req, pos, fmt, scale=0.1, max_seq_len=101,
+                    config=dataclasses.replace(cfg16, few_heads=False))
             if cdt != "fp8_ds_mla":  # DeepSeek-V3's 128 heads: the 64-head tiles
                 q128 = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
                 triton_mla.mla_decode_triton(q128, cache, bt, req, pos, fmt, scale=0.1,

@@ -95,6 +95,47 @@ def test_fp8_mma_is_opt_in_and_says_why_not(monkeypatch: pytest.MonkeyPatch) -> 
     assert not tmd.takes_fp8_mma(on, torch.bfloat16, e5m2, L, R, H90, scale=1.0)
     narrow = torch.zeros(2, PAGE, 256 + R, dtype=torch.float8_e4m3fn)
     assert any("kv_lora_rank=256" in r for r in tmd.fp8_mma_unsupported_reasons(narrow, 256, R))
+    # at most 32 heads the few-heads kernel (exact) takes precedence, unless turned off
+    assert not tmd.takes_fp8_mma(on, torch.bfloat16, e4m3, L, R, H90, scale=1.0, num_heads=16)
+    assert tmd.takes_fp8_mma(dataclasses.replace(on, few_heads=False), torch.bfloat16, e4m3,
+                             L, R, H90, scale=1.0, num_heads=16)
+    assert tmd.takes_fp8_mma(on, torch.bfloat16, e4m3, L, R, H90, scale=1.0, num_heads=33)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn,
+                                         torch.float8_e5m2],
+                         ids=lambda x: str(x).replace("torch.", ""))
+def test_few_heads_is_the_default_up_to_32_heads_and_says_why_not(
+        cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers of at most 32 heads take the heads-as-N kernel wherever the lead kernel
+    would run; more heads, or widths its MMAs do not take, keep the lead kernel, and
+    the reasons name the value."""
+    import dataclasses
+
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    monkeypatch.setattr(tmd, "_interpreting", lambda: False)
+    cfg = tmd.default_config(torch.bfloat16, H90)
+    assert cfg.few_heads
+
+    def takes(heads: int, L_: int = L, R_: int = R, c: tmd.MLADecodeConfig = cfg,
+              gpu: GPU = H90) -> bool:
+        cache = torch.zeros(2, PAGE, L_ + R_, dtype=cache_dtype)
+        return tmd.takes_few_heads(c, torch.bfloat16, cache, L_, R_, gpu, scale=1.0,
+                                   num_heads=heads)
+
+    for heads in (1, 16, 20, 32):
+        assert takes(heads), heads
+        assert tmd.few_heads_unsupported_reasons(heads, L, R) == []
+    assert not takes(33)
+    assert any("33 heads" in r for r in tmd.few_heads_unsupported_reasons(33, L, R))
+    assert not takes(16, c=dataclasses.replace(cfg, few_heads=False))
+    assert not takes(16, c=dataclasses.replace(cfg, lead=False))
+    assert not takes(16, gpu=GPU("nvidia", (10, 0)))
+    assert not takes(16, L_=64)
+    assert any("kv_lora_rank=64" in r for r in tmd.few_heads_unsupported_reasons(16, 64, R))
+    assert not takes(16, R_=8)
+    assert any("rope_dim=8" in r for r in tmd.few_heads_unsupported_reasons(16, L, 8))
 
 
 # -- on the GPU ------------------------------------------------------------------------
@@ -143,9 +184,11 @@ def test_gluon_against_float64(dtype: torch.dtype, cache_dtype: str, lead: bool,
     q: torch.Tensor = x["q"]  # type: ignore[assignment]
     gpu = tmd.gpu_of(cache.device)
     assert tmd.gluon_unsupported_reasons(dtype, cache, L, R, gpu) == []
-    cfg = dataclasses.replace(tmd.default_config(dtype, gpu), lead=lead)
+    # (the few-heads kernel, the default for at most 32 heads, has its own test)
+    cfg = dataclasses.replace(tmd.default_config(dtype, gpu), lead=lead, few_heads=False)
     # the default takes the lead-warpgroup kernel (and lead=False the split-scores one)
     assert tmd.takes_lead(cfg, dtype, cache, L, R, gpu, scale=1.0) == lead
+    assert not tmd.takes_few_heads(cfg, dtype, cache, L, R, gpu, scale=1.0, num_heads=heads)
     before = cache.view(torch.uint8).clone()
     fp8 = cache_dtype in FP8
     k_scale = K_SCALE if fp8 else 1.0
@@ -170,6 +213,45 @@ def test_gluon_against_float64(dtype: torch.dtype, cache_dtype: str, lead: bool,
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="the Gluon kernel runs on NVIDIA sm_90 only")
 @pytest.mark.parametrize("splits", [None, 1, 3, 64], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("heads", [1, 16, 20, 32])
+@pytest.mark.parametrize("dtype, cache_dtype", [
+    (torch.bfloat16, "auto"), (torch.float16, "auto"), (torch.bfloat16, "fp8"),
+    (torch.float16, "fp8"), (torch.bfloat16, "fp8_e5m2")],
+    ids=lambda x: str(x).replace("torch.", ""))
+def test_few_heads_against_float64(dtype: torch.dtype, cache_dtype: str, heads: int,
+                                   splits: int | None) -> None:
+    """The few-heads kernel (the heads as the MMAs' N) within the backend's tolerance
+    of float64, with every row checked, the cache untouched."""
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    x = _case(heads, dtype, cache_dtype, seed=2000 + heads + (splits or 0))
+    cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
+    q: torch.Tensor = x["q"]  # type: ignore[assignment]
+    gpu = tmd.gpu_of(cache.device)
+    cfg = tmd.default_config(dtype, gpu)
+    assert tmd.takes_few_heads(cfg, dtype, cache, L, R, gpu, scale=1.0, num_heads=heads)
+    before = cache.view(torch.uint8).clone()
+    fp8 = cache_dtype in FP8
+    fmt = LatentFormat(cache_dtype, L, R,
+                       torch.tensor([K_SCALE if fp8 else 1.0], device="cuda"), dtype)
+    scale = 192 ** -0.5
+    out = tmd.mla_decode_mma(q[..., :L], cache, x["bt"], x["req"], x["pos"], fmt,  # type: ignore[arg-type]
+                             scale=scale, max_seq_len=max(SEQ_LENS), num_splits=splits,
+                             out_dtype=dtype, q_pe=q[..., L:])
+    ref = latent_decode_reference(q, cache, x["bt"], x["tokens"], L, scale,  # type: ignore[arg-type]
+                                  K_SCALE if fp8 else None)
+    assert torch.equal(cache.view(torch.uint8), before)
+    assert torch.isfinite(out).all()
+    tol = get_backend("TRITON_MLA").tolerances[dtype]
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err < tol, err
+    rows = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
+    assert float(rows) < 4 * tol, float(rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon kernel runs on NVIDIA sm_90 only")
+@pytest.mark.parametrize("splits", [None, 1, 3, 64], ids=lambda s: f"splits{s}")
 @pytest.mark.parametrize("heads", [16, 20, 128, 130])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16],
                          ids=lambda x: str(x).replace("torch.", ""))
@@ -184,8 +266,9 @@ def test_fp8_mma_against_float64(dtype: torch.dtype, heads: int, splits: int | N
     cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
     q: torch.Tensor = x["q"]  # type: ignore[assignment]
     gpu = tmd.gpu_of(cache.device)
-    cfg = dataclasses.replace(tmd.default_config(dtype, gpu), fp8_mma=True)
-    assert tmd.takes_fp8_mma(cfg, dtype, cache, L, R, gpu, scale=1.0)
+    # (at most 32 heads the exact few-heads kernel takes precedence unless turned off)
+    cfg = dataclasses.replace(tmd.default_config(dtype, gpu), fp8_mma=True, few_heads=False)
+    assert tmd.takes_fp8_mma(cfg, dtype, cache, L, R, gpu, scale=1.0, num_heads=heads)
     before = cache.view(torch.uint8).clone()
     fmt = LatentFormat("fp8", L, R, torch.tensor([K_SCALE], device="cuda"), dtype)
     scale = 192 ** -0.5

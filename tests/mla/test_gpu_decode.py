@@ -138,12 +138,14 @@ def test_hardware_e4m3_nan_reaches_the_output() -> None:
 
 @pytest.mark.parametrize("cache_dtype, fp8_mma", [("auto", False), ("fp8", False), ("fp8", True)],
                          ids=["auto", "fp8", "fp8-mma"])
+@pytest.mark.parametrize("n", [128, 16], ids=lambda n: f"{n}heads")
 @pytest.mark.parametrize("name", ["TRITON_MLA", "FLASHMLA"])
-def test_layer_decode_in_a_cuda_graph(name: str, cache_dtype: str, fp8_mma: bool) -> None:
+def test_layer_decode_in_a_cuda_graph(name: str, n: int, cache_dtype: str,
+                                      fp8_mma: bool) -> None:
     """Write then compute through MLAAttention, eager and replayed from a CUDA graph;
-    the decode runs the tensor-core kernel (``fp8_mma``: the fp8-MMA one), rows past the
-    step's tokens are left alone, and the result is within tolerance of the float32
-    torch path."""
+    the decode runs the tensor-core kernel (``fp8_mma``: the fp8-MMA one at 128 heads;
+    at 16 the few-heads kernel either way), rows past the step's tokens are left alone,
+    and the result is within tolerance of the float32 torch path."""
     from vllm.attention import allocate_kv_cache
     from vllm.attention.batch import make_paged_batch
     from vllm.attention.layer import MLAAttention
@@ -151,7 +153,7 @@ def test_layer_decode_in_a_cuda_graph(name: str, cache_dtype: str, fp8_mma: bool
 
     backend = get_backend(name)
     g = torch.Generator().manual_seed(3)
-    n, p, v = 128, 128, 128
+    p, v = 128, 128
     spec = make_spec(n=n, P=p, V=v, dtype=torch.bfloat16, cache_dtype=cache_dtype)
     spec = type(spec).create(num_heads=n, kv_lora_rank=L, qk_nope_head_dim=p,
                              qk_rope_head_dim=R, v_head_dim=v, kv_cache_dtype=spec.kv_cache_dtype,

@@ -2,8 +2,9 @@
 interpreter cannot catch what only the compiler rejects (annotations it cannot
 resolve, dtype mismatches in ``tl.dot``, loop-carried type changes). The per-row
 kernel compiles for sm_90; the tensor-core decode's default launches for sm_80,
-sm_90 (the Gluon kernel, 128 and 16 heads, and the Triton one it replaces there; the
-fp8-MMA kernel with an E4M3 cache) and sm_100, each checked for what only shows in the binary: a kernel lowered
+sm_90 (the Gluon kernels: the lead-warpgroup one at 128 and 16 heads, the few-heads one
+at 16, the split-scores and Triton ones they replace, the fp8-MMA one with an E4M3
+cache) and sm_100, each checked for what only shows in the binary: a kernel lowered
 to a bare ``trap`` (Blackwell's tensor memory overflowed), shared memory past the
 device's limit, and register spills on sm_90.
 
@@ -117,6 +118,8 @@ from vllm.attention.ops import gluon_mla_lead_kernels as lkern
 tmd._lead_kernel = lambda: Rec(lkern.mla_decode_lead_kernel)
 from vllm.attention.ops import gluon_mla_fp8_kernels as fkern
 tmd._fp8_mma_kernel = lambda: Rec(fkern.mla_decode_fp8_mma_kernel)
+from vllm.attention.ops import gluon_mla_few_heads_kernels as hkern
+tmd._few_heads_kernel = lambda: Rec(hkern.mla_decode_few_heads_kernel)
 tmd._interpreting = lambda: False
 failures = 0
 for cap in (80, 90, 100):
@@ -126,10 +129,11 @@ for cap in (80, 90, 100):
         if heads == 16 and cap != 90:
             continue
         # on sm_90 the default is a Gluon kernel (the lead-warpgroup one for 16-bit
-        # caches); "split" forces the split-scores one, "triton" the Triton one there,
+        # caches; at 16 heads the few-heads one); "split" forces the split-scores one,
+        # "triton" the Triton one there, "lead" the lead-warpgroup one at 16 heads,
         # "fp8mma" the fp8-MMA one (an E4M3 cache)
         engines = (("default", "split", "triton") if cap == 90 and heads == 128
-                   else ("default",))
+                   else ("default", "lead") if cap == 90 else ("default",))
         if cap == 90 and cdt == "fp8":
             engines += ("fp8mma",)
         for splits, engine in [(s, e) for s in ((1, 4) if cap == 90 and cdt == "auto"
@@ -143,7 +147,8 @@ for cap in (80, 90, 100):
             base = tmd.default_config(torch.bfloat16, GPU("nvidia", (cap // 10, cap % 10)))
             cfg = {"triton": dataclasses.replace(base, gluon=False),
                    "split": dataclasses.replace(base, lead=False),
-                   "fp8mma": dataclasses.replace(base, fp8_mma=True)}.get(engine)
+                   "lead": dataclasses.replace(base, few_heads=False),
+                   "fp8mma": dataclasses.replace(base, fp8_mma=True, few_heads=False)}.get(engine)
             tmd.mla_decode_mma(q, cache, bt, t, t, fmt, scale=0.1, max_seq_len=4096,
                                num_splits=splits, out_dtype=torch.bfloat16, config=cfg)
             for fn, a, k in calls:
@@ -174,4 +179,4 @@ def test_decode_kernel_compiles_for_sm80_sm90_sm100() -> None:
     done = subprocess.run([sys.executable, "-c", DECODE_CHILD], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    assert done.stdout.count("compiled ") == 31, done.stdout
+    assert done.stdout.count("compiled ") == 35, done.stdout

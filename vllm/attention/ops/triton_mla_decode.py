@@ -65,7 +65,13 @@ class MLADecodeConfig:
     ``fp8_mma`` (with ``lead``, an E4M3 cache, a latent of 512 and a rope of 64): the
     kernel of :mod:`vllm.attention.ops.gluon_mla_fp8_kernels` instead, whose MMAs run on
     fp8 tensor cores, the query and the probabilities rounded to E4M3 (FlashMLA's fp8
-    numerics; less exact than the default, which rounds neither: ``docs/mla.md``).
+    numerics; less exact than the default, which rounds neither: ``docs/mla.md``);
+    ``few_heads`` (with ``lead``; the default): layers of at most
+    :data:`FEW_HEADS_MAX` heads run the kernel of
+    :mod:`vllm.attention.ops.gluon_mla_few_heads_kernels`, the heads as the N of both
+    MMAs (the lead kernel's arithmetic, a quarter of its tensor work at 16 heads), where
+    :func:`few_heads_unsupported_reasons` is empty; it takes precedence over
+    ``fp8_mma``, being exact (set ``few_heads=False`` for the fp8-MMA kernel there).
     """
 
     block_h: int
@@ -82,6 +88,7 @@ class MLADecodeConfig:
     gluon: bool = False
     lead: bool = True
     fp8_mma: bool = False
+    few_heads: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n"):
@@ -376,6 +383,44 @@ FP8_MMA_P_TOLERANCE = 0.025
 probabilities' rounding to E4M3 leaves."""
 
 
+FEW_HEADS_MAX = 32
+"""The most heads the few-heads kernel takes (its MMAs' N: 16 or 32)."""
+
+
+def _few_heads_kernel() -> Any:
+    from vllm.attention.ops.gluon_mla_few_heads_kernels import mla_decode_few_heads_kernel
+
+    return mla_decode_few_heads_kernel
+
+
+def few_heads_unsupported_reasons(num_heads: int, kv_lora_rank: int,
+                                  rope_dim: int) -> list[str]:
+    """Why the few-heads kernel cannot take this decode, given that the lead kernel can
+    (empty: it can)."""
+    reasons = []
+    if num_heads > FEW_HEADS_MAX:
+        reasons.append(f"{num_heads} heads: the few-heads kernel takes at most "
+                       f"{FEW_HEADS_MAX} (more fill the lead kernel's 64-row MMAs)")
+    if kv_lora_rank % 128:
+        reasons.append(f"kv_lora_rank={kv_lora_rank}: the few-heads kernel's value MMAs "
+                       "take each half of the latent as their M, a multiple of 64")
+    if rope_dim < 16:
+        reasons.append(f"rope_dim={rope_dim}: the few-heads kernel's rope MMA takes a K of "
+                       "at least 16")
+    return reasons
+
+
+def takes_few_heads(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tensor,
+                    kv_lora_rank: int, rope_dim: int, gpu: GPU | None, *, scale: float,
+                    num_heads: int) -> bool:
+    """Whether :func:`mla_decode_mma` runs this decode on the few-heads Gluon kernel:
+    ``cfg.few_heads`` asks for it, the lead kernel would take it (:func:`takes_lead`),
+    and :func:`few_heads_unsupported_reasons` is empty."""
+    return (cfg.few_heads
+            and takes_lead(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu, scale=scale)
+            and not few_heads_unsupported_reasons(num_heads, kv_lora_rank, rope_dim))
+
+
 def _fp8_mma_kernel() -> Any:
     from vllm.attention.ops.gluon_mla_fp8_kernels import mla_decode_fp8_mma_kernel
 
@@ -397,13 +442,19 @@ def fp8_mma_unsupported_reasons(kv_cache: torch.Tensor, kv_lora_rank: int,
 
 
 def takes_fp8_mma(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tensor,
-                  kv_lora_rank: int, rope_dim: int, gpu: GPU | None, *, scale: float) -> bool:
+                  kv_lora_rank: int, rope_dim: int, gpu: GPU | None, *, scale: float,
+                  num_heads: int | None = None) -> bool:
     """Whether :func:`mla_decode_mma` runs this decode on the fp8-MMA Gluon kernel:
-    ``cfg.fp8_mma`` asks for it, the lead kernel would take it (:func:`takes_lead`), and
-    :func:`fp8_mma_unsupported_reasons` is empty."""
+    ``cfg.fp8_mma`` asks for it, the lead kernel would take it (:func:`takes_lead`),
+    :func:`fp8_mma_unsupported_reasons` is empty, and the few-heads kernel does not
+    take it (:func:`takes_few_heads`, asked when ``num_heads``, the layer's, is
+    given)."""
     return (cfg.fp8_mma
             and takes_lead(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu, scale=scale)
-            and not fp8_mma_unsupported_reasons(kv_cache, kv_lora_rank, rope_dim))
+            and not fp8_mma_unsupported_reasons(kv_cache, kv_lora_rank, rope_dim)
+            and not (num_heads is not None
+                     and takes_few_heads(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim,
+                                         gpu, scale=scale, num_heads=num_heads)))
 
 
 def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -470,9 +521,14 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
             "benchmarks/results/h200/2026-12-01-3c3e403); it runs under the "
             "interpreter only until that is found (docs/mla.md)")
     use_gluon = takes_gluon(cfg, q_lat.dtype, kv_cache, L, R, gpu, scale=scale)
+    # the few-heads kernel: 16 or 32 heads a program, one program an SM (its shared
+    # memory)
+    few = (use_gluon and cfg.lead and cfg.few_heads
+           and not few_heads_unsupported_reasons(n, L, R))
     if use_gluon:  # its own tiles
-        cfg = dataclasses.replace(cfg, block_h=GLUON_TILE, block_n=GLUON_TILE, num_warps=8,
-                                  v_split=1, heads_as_n=False)
+        cfg = dataclasses.replace(cfg, block_h=(16 if n <= 16 else 32) if few else GLUON_TILE,
+                                  block_n=GLUON_TILE, num_warps=8, v_split=1,
+                                  heads_as_n=False)
     block_l = _next_pow2(L)
     chunks = 1 if block_l <= _MAX_BOX else cfg.latent_chunks
     lc = block_l // chunks
@@ -488,7 +544,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     head_tiles = -(-n // block_h)
     splits = num_splits or cfg.num_splits
     if splits is None:
-        slots = num_sms * _programs_per_sm(block_h, block_n, cfg)
+        slots = num_sms * (1 if few else _programs_per_sm(block_h, block_n, cfg))
         splits = choose_splits(num_tokens=t, programs_per_split=head_tiles * v_split,
                                num_heads=n, kv_lora_rank=L, max_seq_len=max_seq_len,
                                row_bytes=(L + R) * kv_cache.element_size(),
@@ -518,9 +574,12 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         lead = cfg.lead  # takes_lead, given takes_gluon above (checked once a call)
         kernel, launch = ((_lead_kernel(), {"num_warps": 4, "maxnreg": _LEAD_MAXNREG})
                           if lead else (_gluon_kernel(), {"num_warps": 8}))
-        fp8_mma = lead and cfg.fp8_mma and not fp8_mma_unsupported_reasons(kv_cache, L, R)
+        fp8_mma = (lead and not few and cfg.fp8_mma
+                   and not fp8_mma_unsupported_reasons(kv_cache, L, R))
         if fp8_mma:  # the lead kernel's arguments and launch; its copies of E4M3 bytes
             kernel = _fp8_mma_kernel()
+        if few:  # the lead kernel's arguments; its partitions set their registers
+            kernel, launch = _few_heads_kernel(), {"num_warps": 4}
         lat_d, pe_d = _gluon_descriptors(kv_cache if fp8_mma else cache, L, R,
                                          lat_width=L // 2 if lead else None)
         kernel[(head_tiles, splits, t)](
@@ -530,7 +589,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
             cache.stride(0), cache.stride(1), bt.stride(0),
             out.stride(0), out.stride(1), *part_strides,
             n, scale, splits,
-            KV_LORA=L, ROPE=R, PAGE=page, FP8=fp8, SINGLE=single, BLOCK_H=GLUON_TILE,
+            KV_LORA=L, ROPE=R, PAGE=page, FP8=fp8, SINGLE=single, BLOCK_H=block_h,
             BLOCK_N=GLUON_TILE, **launch,
         )
     else:
