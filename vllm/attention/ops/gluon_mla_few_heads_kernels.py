@@ -38,11 +38,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from vllm.attention.ops.gluon_mla_decode_kernels import widen_fp8
 from vllm.attention.ops.gluon_mla_lead_kernels import (
     _load,
     _query_to_shared,
     _store_half,
-    _widener,
     _zero_rows,
     jit,
 )
@@ -50,40 +50,124 @@ from vllm.attention.ops.triton_mla_decode_kernels import split_range
 
 LOAD_REGS: gl.constexpr = gl.constexpr(24)
 """Registers a thread of the loader warp (a 16-bit cache)."""
+VALUE_REGS: gl.constexpr = gl.constexpr(152)
+"""Registers a thread of the values' warpgroup at 16 heads (its two ``[L / 2, heads]``
+float32 accumulators take 64)."""
+VALUE_REGS_32: gl.constexpr = gl.constexpr(192)
+"""The same at 32 heads (the accumulators take 128; with the launch's 168 and the
+widening warpgroup's 152 that is all of an SM's 64 K registers)."""
 WIDEN_REGS: gl.constexpr = gl.constexpr(152)
-"""Registers a thread of the widening warpgroup (an fp8 cache): two warpgroups share an
-SM's 64 K registers here, and at the lead kernel's 112 the widening spilled 8 bytes."""
+"""Registers a thread of the widening warpgroup (an fp8 cache)."""
+STAGE_ROWS: gl.constexpr = gl.constexpr(32)
+"""Keys a stage of the fp8 bytes' ring holds (half a tile)."""
 
 
 @jit
-def _heads_n(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
-             ka_bufs: gl.shared_memory_descriptor, kp_bufs: gl.shared_memory_descriptor,
-             p_s: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
-             kfree: gl.shared_memory_descriptor, n_tiles: gl.tensor, n_last: gl.tensor,
-             qk_s: gl.shared_memory_descriptor, oscale: gl.tensor, OUT: gl.tensor,
-             O_PART: gl.tensor, LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor,
-             sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor,
-             stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor,
-             stride_ps: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
-             single: gl.tensor, zero: gl.tensor) -> None:
-    """The computing warpgroup: every tile's scores ``S^T`` (keys as rows, heads as
-    columns), the online softmax down the columns, ``P^T`` through shared memory into
-    both halves of the values; then the output and the log-sum-exp of a split.
-    ``zero``: rows past the end of a split's last tile are zeroed here (a 16-bit cache,
-    copied as it is; a run-time flag, as a partition's arguments are)."""
+def _stage_widen(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor,
+                 C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor,
+                 n_tiles: gl.tensor, stride_bt: gl.tensor, page: gl.tensor,
+                 st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
+                 sfull: gl.shared_memory_descriptor, ka_bufs: gl.shared_memory_descriptor,
+                 kp_bufs: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
+                 kfree: gl.shared_memory_descriptor) -> None:
+    """The widening warpgroup of an fp8 cache (``C``'s element type: E4M3 or E5M2): the
+    tiles' bytes come by TMA, half a tile (32 keys) at a time, into a ring of ``S``
+    stages (``st_a[2 s + h]`` latent half ``h``, ``st_p[s]`` the rope), ``S`` halves
+    ahead; each half is read into registers, its stage refilled at once, and widened
+    exactly to float16 into tile buffer ``k % 2`` (once the value MMAs of tile
+    ``k - 2`` are done with it). Rows past a split's end are widened as they are (the
+    computing warpgroup masks their scores and zeroes them before the value MMAs)."""
+    HB: gl.constexpr = st_a.type.shape[1]
+    HALF: gl.constexpr = st_a.type.shape[2]
+    S: gl.constexpr = st_p.type.shape[0]
+    FP8: gl.constexpr = 1 if C.dtype.element_ty == gl.float8e4nv else 2
+    CH: gl.constexpr = 128 if HALF >= 128 else HALF
+    NCH: gl.constexpr = HALF // CH
+    # a thread: 16 consecutive bytes of a row (one 16-byte shared load); a warp: 8 rows
+    BYTES: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    nbytes: gl.constexpr = 2 * LAT_DESC.block_type.nbytes + PE_DESC.block_type.nbytes
+    n_parts = 2 * n_tiles
+    bt_row = BT + req * stride_bt
+    for i in gl.static_range(S):  # the first halves, into free stages
+        if i < n_parts:
+            n0 = start + i * HB
+            row = gl.load(bt_row + n0 // page) * page + n0 % page
+            bar = sfull.index(i)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(LAT_DESC, [row, 0], bar, st_a.index(2 * i))
+            tma.async_copy_global_to_shared(LAT_DESC, [row, HALF], bar, st_a.index(2 * i + 1))
+            tma.async_copy_global_to_shared(PE_DESC, [row, 2 * HALF], bar, st_p.index(i))
+    for k in range(n_tiles):
+        b = k % 2
+        for hh in gl.static_range(2):
+            j = 2 * k + hh
+            st = j % S
+            mbarrier.wait(sfull.index(st), (j // S) & 1)
+            # (NCH 1: the second chunk of each half is not there, and not stored)
+            x0 = st_a.index(2 * st).slice(0, CH, dim=1).load(BYTES)
+            x2 = st_a.index(2 * st + 1).slice(0, CH, dim=1).load(BYTES)
+            x1 = x0
+            x3 = x2
+            if NCH == 2:
+                x1 = st_a.index(2 * st).slice(CH, CH, dim=1).load(BYTES)
+                x3 = st_a.index(2 * st + 1).slice(CH, CH, dim=1).load(BYTES)
+            xr = st_p.index(st).load(BYTES)
+            # every warp has read the stage: refill it with half j + S
+            fence_async_shared()
+            gl.thread_barrier()
+            jn = j + S
+            if jn < n_parts:
+                n0 = start + jn * HB
+                row = gl.load(bt_row + n0 // page) * page + n0 % page
+                bar = sfull.index(st)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(LAT_DESC, [row, 0], bar, st_a.index(2 * st))
+                tma.async_copy_global_to_shared(LAT_DESC, [row, HALF], bar,
+                                                st_a.index(2 * st + 1))
+                tma.async_copy_global_to_shared(PE_DESC, [row, 2 * HALF], bar,
+                                                st_p.index(st))
+            if hh == 0:
+                mbarrier.wait(kfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
+            lo = ka_bufs.index(2 * b).slice(hh * HB, HB, dim=0)
+            hi = ka_bufs.index(2 * b + 1).slice(hh * HB, HB, dim=0)
+            lo.slice(0, CH, dim=1).store(widen_fp8(x0, FP8))
+            hi.slice(0, CH, dim=1).store(widen_fp8(x2, FP8))
+            if NCH == 2:
+                lo.slice(CH, CH, dim=1).store(widen_fp8(x1, FP8))
+                hi.slice(CH, CH, dim=1).store(widen_fp8(x3, FP8))
+            kp_bufs.index(b).slice(hh * HB, HB, dim=0).store(widen_fp8(xr, FP8))
+        # visible to the MMAs (the async proxy), every warp's, before the arrival
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(kfull.index(b))
+
+
+@jit
+def _scores_n(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
+              ka_bufs: gl.shared_memory_descriptor, kp_bufs: gl.shared_memory_descriptor,
+              p_bufs: gl.shared_memory_descriptor, a_bufs: gl.shared_memory_descriptor,
+              l_s: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
+              pfull: gl.shared_memory_descriptor, pfree: gl.shared_memory_descriptor,
+              lfull: gl.shared_memory_descriptor, n_tiles: gl.tensor, n_last: gl.tensor,
+              qk_s: gl.shared_memory_descriptor, LSE_PART: gl.tensor, t: gl.tensor,
+              hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor, stride_lt: gl.tensor,
+              stride_lh: gl.tensor, single: gl.tensor) -> None:
+    """The scoring warpgroup: every tile's scores ``S^T`` (keys as rows, heads as
+    columns), the online softmax down the columns, ``P^T`` and the heads' rescale
+    factors published into buffer ``k % 2`` for the values; the rows past a split's end
+    zeroed in the tile first (a slot past the end may hold NaN, and a zero probability
+    times NaN is NaN). The row sums stay per element until the end (one reduction
+    across the warps, not one a tile); then they go to the values' warpgroup, and the
+    log-sum-exp of a split out."""
     BLOCK_N: gl.constexpr = ka_bufs.type.shape[1]
-    HALF: gl.constexpr = ka_bufs.type.shape[2]
     BLOCK_H: gl.constexpr = q_s.type.shape[1]
     dtype: gl.constexpr = q_s.dtype
-    # the scores [keys, heads] and the value accumulators [L / 2, heads]: one layout
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     HEADS: gl.constexpr = gl.SliceLayout(0, ACC)
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
-    acc0 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
-    acc1 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
-    l_i = gl.zeros([BLOCK_H], gl.float32, HEADS)
+    l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, ACC)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, HEADS)
     qk = qk_s.load(HEADS)  # what turns a head's raw scores into base-2 logits (> 0)
     for k in range(n_tiles):
@@ -99,9 +183,8 @@ def _heads_n(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_s, qp_s))[0]
         n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
         if n_valid < BLOCK_N:
-            if zero:
-                _zero_rows(ka_bufs.index(2 * b), n_valid, LOAD)
-                _zero_rows(ka_bufs.index(2 * b + 1), n_valid, LOAD)
+            _zero_rows(ka_bufs.index(2 * b), n_valid, LOAD)
+            _zero_rows(ka_bufs.index(2 * b + 1), n_valid, LOAD)
             keys = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ACC))
             s = gl.where((keys < n_valid)[:, None], s, float("-inf"))
         # a head's maximum over the tile's keys (down a column: across the warps), the
@@ -110,33 +193,76 @@ def _heads_n(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor
         m_new = gl.maximum(m_i, gl.max(s, 0) * qk)
         p = gl.exp2(gl.fma(s, qk[None, :], -m_new[None, :]))
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 0)
+        l_part = l_part * alpha[None, :] + p
         m_i = m_new
-        # P^T, the value MMAs' B operand (the last ones to read it were waited for)
-        p_s.store(p.to(dtype))
+        # the value MMAs of tile k - 2 are done with this buffer
+        mbarrier.wait(pfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
+        p_bufs.index(b).store(p.to(dtype))
+        a_bufs.index(b).store(alpha)
+        # P^T (and the zeroed rows) visible to the value MMAs, every warp's
         fence_async_shared()
         gl.thread_barrier()
+        mbarrier.arrive(pfull.index(b))
+
+    l_i = gl.sum(l_part, 0)
+    l_s.store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(lfull.index(0))
+    seen = l_i > 0.0
+    lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+    lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, HEADS)
+    gl.store(LSE_PART + t * stride_lt + lh * stride_lh + sp, lse,
+             mask=(lh < num_heads) & (single == 0))
+
+
+@jit
+def _values_n(ka_bufs: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descriptor,
+              a_bufs: gl.shared_memory_descriptor, l_s: gl.shared_memory_descriptor,
+              kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+              pfull: gl.shared_memory_descriptor, pfree: gl.shared_memory_descriptor,
+              lfull: gl.shared_memory_descriptor, n_tiles: gl.tensor, oscale: gl.tensor,
+              OUT: gl.tensor, O_PART: gl.tensor, t: gl.tensor, hb: gl.tensor,
+              sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor,
+              stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor,
+              stride_ps: gl.tensor, single: gl.tensor) -> None:
+    """The values' warpgroup: each tile's ``P^T`` (from the scoring warpgroup) applied
+    to both halves of the latent, read transposed from the tile (``O^T += K^T P^T``),
+    the accumulators rescaled by the heads' factors first; then the output."""
+    HALF: gl.constexpr = ka_bufs.type.shape[2]
+    BLOCK_H: gl.constexpr = p_bufs.type.shape[2]
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+    HEADS: gl.constexpr = gl.SliceLayout(0, ACC)
+
+    acc0 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
+    acc1 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
+    for k in range(n_tiles):
+        b = k % 2
+        mbarrier.wait(pfull.index(b), (k // 2) & 1)
+        # (landed before P was published; waited for here too, so these MMAs are
+        # ordered after the tile's writes by a barrier of their own)
+        mbarrier.wait(kfull.index(b), (k // 2) & 1)
+        alpha = a_bufs.index(b).load(HEADS)
         acc0 = acc0 * alpha[None, :]
         acc1 = acc1 * alpha[None, :]
-        acc0 = warpgroup_mma(ka_bufs.index(2 * b).permute((1, 0)), p_s, acc0, is_async=True)
-        acc1 = warpgroup_mma(ka_bufs.index(2 * b + 1).permute((1, 0)), p_s, acc1,
+        acc0 = warpgroup_mma(ka_bufs.index(2 * b).permute((1, 0)), p_bufs.index(b), acc0,
                              is_async=True)
-        # waited for here, not across the loop's back edge (ptxas serialises every MMA
-        # of a kernel that leaves one in flight under others: C7515)
-        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, p_s))
+        acc1 = warpgroup_mma(ka_bufs.index(2 * b + 1).permute((1, 0)), p_bufs.index(b), acc1,
+                             is_async=True)
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, p_bufs))
+        # every warp of the warpgroup is done with P, its factors and the tile
+        gl.thread_barrier()
+        mbarrier.arrive(pfree.index(b))
         mbarrier.arrive(kfree.index(b))
 
+    mbarrier.wait(lfull.index(0), 0)
+    l_i = l_s.load(HEADS)
     # the output [heads, L]: the accumulators transposed in registers (which register
     # holds which element changes, not what a register holds)
     _store_half(gl.permute(acc0, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
                 stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0)
     _store_half(gl.permute(acc1, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
                 stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 1)
-    seen = l_i > 0.0
-    lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
-    lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, HEADS)
-    gl.store(LSE_PART + t * stride_lt + lh * stride_lh + sp, lse,
-             mask=(lh < num_heads) & (single == 0))
 
 
 @jit
@@ -190,15 +316,24 @@ def mla_decode_few_heads_kernel(
     else:
         ka_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_N, HALF], LAT_DESC.layout)
         kp_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], PE_DESC.layout)
-    p_s = gl.allocate_shared_memory(
-        dtype, [BLOCK_N, BLOCK_H], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H],
-                                                                        dtype))
+    # two buffers of P^T and of the heads' rescale factors
+    p_bufs = gl.allocate_shared_memory(
+        dtype, [2, BLOCK_N, BLOCK_H],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype))
+    a_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], F32_ROW)
+    l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
     qk_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
     kfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    lfull = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kfull.index(i), count=1)
-        mbarrier.init(kfree.index(i), count=1)
+        mbarrier.init(kfree.index(i), count=1)  # the value MMAs, the tile's last readers
+        mbarrier.init(pfull.index(i), count=1)
+        mbarrier.init(pfree.index(i), count=1)
+    mbarrier.init(lfull.index(0), count=1)
 
     # the query in halves of the latent and the rope part: the score MMAs' B operands
     # (K-major, as stored)
@@ -213,23 +348,38 @@ def mla_decode_few_heads_kernel(
                               14 if FP8 != 0 else 0, LOAD)
     # a partition's arguments are run-time values: the compile-time flag as a scalar
     single = (n_tiles * 0 + SINGLE) != 0
-    zero = (n_tiles * 0 + (1 if FP8 == 0 else 0)) != 0
 
-    args = (q_s, qp_s, ka_bufs, kp_bufs, p_s, kfull, kfree, n_tiles, n_last, qk_s, oscale,
-            OUT, O_PART, LSE_PART, t, hb, sp, num_heads, stride_xt, stride_xh, stride_pt,
-            stride_ph, stride_ps, stride_lt, stride_lh, single, zero)
+    sargs = (q_s, qp_s, ka_bufs, kp_bufs, p_bufs, a_bufs, l_s, kfull, pfull, pfree, lfull,
+             n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads, stride_lt, stride_lh,
+             single)
+    vargs = (ka_bufs, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles,
+             oscale, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh, stride_pt,
+             stride_ph, stride_ps, single)
     page = n_tiles * 0 + PAGE
+    VREGS: gl.constexpr = VALUE_REGS if BLOCK_H == 16 else VALUE_REGS_32
     if FP8 == 0:
         largs = (LAT_DESC, PE_DESC, BT, req, start, n_tiles, stride_bt, page, ka_bufs,
                  kp_bufs, kfull, kfree)
         gl.warp_specialize([
-            (_heads_n, args),
+            (_scores_n, sargs),
+            (_values_n, vargs),
             (_load, largs),
-        ], [1], [LOAD_REGS])
+        ], [4, 1], [VREGS, LOAD_REGS])
     else:
-        wargs = (C, BT, req, start, end, n_tiles, stride_bt, stride_cb, stride_cs, page,
-                 ka_bufs, kp_bufs, kfull, kfree)
+        # the ring of the bytes: three stages of half a tile at 16 heads, two at 32 (the
+        # query and P take twice the shared memory)
+        S: gl.constexpr = 3 if BLOCK_H == 16 else 2
+        st_a = gl.allocate_shared_memory(LAT_DESC.block_type.element_ty, [2 * S, STAGE_ROWS, HALF],
+                                         LAT_DESC.layout)
+        st_p = gl.allocate_shared_memory(PE_DESC.block_type.element_ty, [S, STAGE_ROWS, ROPE],
+                                         PE_DESC.layout)
+        sfull = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(S):
+            mbarrier.init(sfull.index(i), count=1)
+        wargs = (LAT_DESC, PE_DESC, C, BT, req, start, n_tiles, stride_bt, page, st_a, st_p,
+                 sfull, ka_bufs, kp_bufs, kfull, kfree)
         gl.warp_specialize([
-            (_heads_n, args),
-            (_widener, wargs),
-        ], [4], [WIDEN_REGS])
+            (_scores_n, sargs),
+            (_values_n, vargs),
+            (_stage_widen, wargs),
+        ], [4, 4], [VREGS, WIDEN_REGS])

@@ -330,10 +330,10 @@ def takes_gluon(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tens
             and not gluon_unsupported_reasons(q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu))
 
 
-def _gluon_descriptors(cache: torch.Tensor, L: int, R: int,
-                       lat_width: int | None = None) -> tuple[Any, Any]:
-    """Gluon TMA descriptors of the latent ``[64, lat_width]`` (default ``L``) and rope
-    ``[64, R]`` blocks of the cache seen as ``[nb * bs, L + R]`` (16-bit, or fp8 as bytes;
+def _gluon_descriptors(cache: torch.Tensor, L: int, R: int, lat_width: int | None = None,
+                       block_rows: int = GLUON_TILE) -> tuple[Any, Any]:
+    """Gluon TMA descriptors of the latent ``[block_rows, lat_width]`` (default ``L``)
+    and rope ``[block_rows, R]`` blocks of the cache seen as ``[nb * bs, L + R]`` (16-bit, or fp8 as bytes;
     :func:`gluon_unsupported_reasons` checked that it can be)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -345,7 +345,7 @@ def _gluon_descriptors(cache: torch.Tensor, L: int, R: int,
     shape, strides = list(rows.shape), list(rows.stride())
 
     def desc(width: int) -> Any:
-        block = [GLUON_TILE, width]
+        block = [block_rows, width]
         return TensorDescriptor(rows, shape, strides, block,
                                 gl.NVMMASharedLayout.get_default_for(block, dtype))
 
@@ -578,10 +578,13 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                    and not fp8_mma_unsupported_reasons(kv_cache, L, R))
         if fp8_mma:  # the lead kernel's arguments and launch; its copies of E4M3 bytes
             kernel = _fp8_mma_kernel()
-        if few:  # the lead kernel's arguments; its partitions set their registers
-            kernel, launch = _few_heads_kernel(), {"num_warps": 4}
+        if few:  # the lead kernel's arguments (and launch, with a 16-bit cache)
+            kernel = _few_heads_kernel()
+        # (the few-heads kernel copies an fp8 cache's bytes half a tile at a time)
         lat_d, pe_d = _gluon_descriptors(kv_cache if fp8_mma else cache, L, R,
-                                         lat_width=L // 2 if lead else None)
+                                         lat_width=L // 2 if lead else None,
+                                         block_rows=GLUON_TILE // 2 if few and fp8
+                                         else GLUON_TILE)
         kernel[(head_tiles, splits, t)](
             q, qe, lat_d, pe_d, kv_cache if lead else cache, bt, req, pos,
             fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,
