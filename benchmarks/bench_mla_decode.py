@@ -168,10 +168,12 @@ class Step:
                                               max_seq_len=m.max_decode_seq_len)
         if variant in ("triton", "gluon", "gluon-lead", "fp8-mma"):
             base = default_config(q_lat.dtype, gpu_of(q_lat.device))
-            cfg = (dataclasses.replace(base, fp8_mma=True, few_heads=False)
-                   if variant == "fp8-mma" else dataclasses.replace(base, few_heads=False)
-                   if variant == "gluon-lead" else
-                   dataclasses.replace(base, gluon=variant == "gluon", lead=False))
+            if variant == "fp8-mma":
+                cfg = dataclasses.replace(base, fp8_mma=True)
+            elif variant == "gluon-lead":
+                cfg = dataclasses.replace(base, few_heads=False)
+            else:
+                cfg = dataclasses.replace(base, gluon=variant == "gluon", lead=False)
             return lambda: mla_decode_mma(*args, scale=self.spec.scale,
                                           max_seq_len=m.max_decode_seq_len, config=cfg,
                                           out_dtype=torch.bfloat16)
@@ -307,7 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append({**base, "what": f"{name} layer", "path": path, "us": layer_us,
                              "fraction": 0.0})
                 if (step.cache.dtype == torch.float8_e4m3fn and cuda
-                        and step.kernel_path() == "gluon-lead"):
+                        and step.kernel_path() in ("gluon-lead", "gluon-few-heads")):
                     # the layer with its decode on fp8 tensor cores (E4M3 query and
                     # probabilities: MLACommonImpl.fp8_mma)
                     impl: Any = step.layer.impl

@@ -95,11 +95,10 @@ def test_fp8_mma_is_opt_in_and_says_why_not(monkeypatch: pytest.MonkeyPatch) -> 
     assert not tmd.takes_fp8_mma(on, torch.bfloat16, e5m2, L, R, H90, scale=1.0)
     narrow = torch.zeros(2, PAGE, 256 + R, dtype=torch.float8_e4m3fn)
     assert any("kv_lora_rank=256" in r for r in tmd.fp8_mma_unsupported_reasons(narrow, 256, R))
-    # at most 32 heads the few-heads kernel (exact) takes precedence, unless turned off
-    assert not tmd.takes_fp8_mma(on, torch.bfloat16, e4m3, L, R, H90, scale=1.0, num_heads=16)
-    assert tmd.takes_fp8_mma(dataclasses.replace(on, few_heads=False), torch.bfloat16, e4m3,
-                             L, R, H90, scale=1.0, num_heads=16)
-    assert tmd.takes_fp8_mma(on, torch.bfloat16, e4m3, L, R, H90, scale=1.0, num_heads=33)
+    # asked for, it takes precedence over the few-heads kernel at any head count
+    assert not tmd.takes_few_heads(on, torch.bfloat16, e4m3, L, R, H90, scale=1.0,
+                                   num_heads=16)
+    assert tmd.takes_few_heads(cfg, torch.bfloat16, e4m3, L, R, H90, scale=1.0, num_heads=16)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn,
@@ -130,6 +129,9 @@ def test_few_heads_is_the_default_up_to_32_heads_and_says_why_not(
     assert not takes(33)
     assert any("33 heads" in r for r in tmd.few_heads_unsupported_reasons(33, L, R))
     assert not takes(16, c=dataclasses.replace(cfg, few_heads=False))
+    # the opt-in fp8-MMA kernel, where it applies (E4M3), takes precedence
+    assert takes(16, c=dataclasses.replace(cfg, fp8_mma=True)) == (
+        cache_dtype != torch.float8_e4m3fn)
     assert not takes(16, c=dataclasses.replace(cfg, lead=False))
     assert not takes(16, gpu=GPU("nvidia", (10, 0)))
     assert not takes(16, L_=64)
@@ -266,9 +268,9 @@ def test_fp8_mma_against_float64(dtype: torch.dtype, heads: int, splits: int | N
     cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
     q: torch.Tensor = x["q"]  # type: ignore[assignment]
     gpu = tmd.gpu_of(cache.device)
-    # (at most 32 heads the exact few-heads kernel takes precedence unless turned off)
-    cfg = dataclasses.replace(tmd.default_config(dtype, gpu), fp8_mma=True, few_heads=False)
-    assert tmd.takes_fp8_mma(cfg, dtype, cache, L, R, gpu, scale=1.0, num_heads=heads)
+    cfg = dataclasses.replace(tmd.default_config(dtype, gpu), fp8_mma=True)
+    assert tmd.takes_fp8_mma(cfg, dtype, cache, L, R, gpu, scale=1.0)
+    assert not tmd.takes_few_heads(cfg, dtype, cache, L, R, gpu, scale=1.0, num_heads=heads)
     before = cache.view(torch.uint8).clone()
     fmt = LatentFormat("fp8", L, R, torch.tensor([K_SCALE], device="cuda"), dtype)
     scale = 192 ** -0.5

@@ -143,9 +143,9 @@ def test_hardware_e4m3_nan_reaches_the_output() -> None:
 def test_layer_decode_in_a_cuda_graph(name: str, n: int, cache_dtype: str,
                                       fp8_mma: bool) -> None:
     """Write then compute through MLAAttention, eager and replayed from a CUDA graph;
-    the decode runs the tensor-core kernel (``fp8_mma``: the fp8-MMA one at 128 heads;
-    at 16 the few-heads kernel either way), rows past the step's tokens are left alone,
-    and the result is within tolerance of the float32 torch path."""
+    the decode runs the tensor-core kernel (at 16 heads the few-heads one; ``fp8_mma``:
+    the fp8-MMA one), rows past the step's tokens are left alone, and the result is
+    within tolerance of the float32 torch path."""
     from vllm.attention import allocate_kv_cache
     from vllm.attention.batch import make_paged_batch
     from vllm.attention.layer import MLAAttention

@@ -148,7 +148,7 @@ for cap in (80, 90, 100):
             cfg = {"triton": dataclasses.replace(base, gluon=False),
                    "split": dataclasses.replace(base, lead=False),
                    "lead": dataclasses.replace(base, few_heads=False),
-                   "fp8mma": dataclasses.replace(base, fp8_mma=True, few_heads=False)}.get(engine)
+                   "fp8mma": dataclasses.replace(base, fp8_mma=True)}.get(engine)
             tmd.mla_decode_mma(q, cache, bt, t, t, fmt, scale=0.1, max_seq_len=4096,
                                num_splits=splits, out_dtype=torch.bfloat16, config=cfg)
             for fn, a, k in calls:

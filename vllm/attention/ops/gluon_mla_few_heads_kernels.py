@@ -12,19 +12,26 @@ heads. Here the heads are the N (16 or 32 columns, which an MMA takes in steps o
 
 so a tile is 36 ``m64nHk16`` score MMAs and 4 x ``L / 64`` value MMAs of the same shape,
 about a quarter of the lead kernel's tensor work at 16 heads, and the softmax runs down
-the columns (a head's keys are rows: its maximum and sum cross the four warps, through
-shared memory). The value MMAs read their A operand transposed from the tile in shared
-memory (a 16-bit operand may be either major order), so no copy of the tile is made.
+the columns (a head's maximum crosses the four warps, through shared memory; the row
+sums are kept per element and summed across the warps once, after the last tile). The
+value MMAs read their A operand transposed from the tile in shared memory (a 16-bit
+operand may be either major order), so no copy of the tile is made.
 
-Partitions: this warpgroup (the scores, the softmax, the values, the output) and the
-lead kernel's own producers, unchanged: its loader warp (a 16-bit cache, by TMA) or its
-widening warpgroup (an fp8 cache, widened exactly to float16: the dots run in float16 on
-the stored values, the query scaled into float16 a head at a time), filling two tile
-buffers ahead of this one (``kfull`` / ``kfree``: one arrival, after a tile's value
-MMAs). The last tile of a split may be partial: with a 16-bit cache the rows past the
-request's last position are zeroed in shared memory after the score MMAs (which see
-them masked) and before the value MMAs read them (a slot past the end may hold NaN, and
-a zero probability times NaN is NaN); the widening warpgroup writes them as zeros.
+Partitions (mbarriers in brackets):
+
+* the scoring warpgroup (:func:`_scores_n`): tile ``k``'s score MMAs once it has landed
+  (``kfull[k % 2]``), the softmax, ``P^T`` and the heads' rescale factors into buffer
+  ``k % 2`` (``pfull``, once ``pfree`` says the value MMAs of tile ``k - 2`` are done
+  with it); the last tile of a split may be partial: its rows past the request's last
+  position are masked in the scores and zeroed in the tile before ``P^T`` is published
+  (a slot past the end may hold NaN, and a zero probability times NaN is NaN);
+* the values' warpgroup (:func:`_values_n`): both value MMAs of each tile, then the
+  output; its arrivals free ``P^T``'s buffer and the tile's (``kfree``);
+* the producer: the lead kernel's loader warp for a 16-bit cache (TMA into the two tile
+  buffers), or for an fp8 cache a widening warpgroup (:func:`_stage_widen`: the bytes by
+  TMA half a tile at a time into a ring, widened exactly to float16 from there; the dots
+  run in float16 on the stored values, the query scaled into float16 a head at a time,
+  as in the lead kernel).
 """
 
 from __future__ import annotations

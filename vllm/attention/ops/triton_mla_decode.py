@@ -70,8 +70,8 @@ class MLADecodeConfig:
     :data:`FEW_HEADS_MAX` heads run the kernel of
     :mod:`vllm.attention.ops.gluon_mla_few_heads_kernels`, the heads as the N of both
     MMAs (the lead kernel's arithmetic, a quarter of its tensor work at 16 heads), where
-    :func:`few_heads_unsupported_reasons` is empty; it takes precedence over
-    ``fp8_mma``, being exact (set ``few_heads=False`` for the fp8-MMA kernel there).
+    :func:`few_heads_unsupported_reasons` is empty and ``fp8_mma`` does not take the
+    decode (asked for, its E4M3 arithmetic is still the faster at 16 heads).
     """
 
     block_h: int
@@ -415,10 +415,13 @@ def takes_few_heads(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.
                     num_heads: int) -> bool:
     """Whether :func:`mla_decode_mma` runs this decode on the few-heads Gluon kernel:
     ``cfg.few_heads`` asks for it, the lead kernel would take it (:func:`takes_lead`),
-    and :func:`few_heads_unsupported_reasons` is empty."""
+    :func:`few_heads_unsupported_reasons` is empty, and the opt-in fp8-MMA kernel does
+    not take it (:func:`takes_fp8_mma`)."""
     return (cfg.few_heads
             and takes_lead(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu, scale=scale)
-            and not few_heads_unsupported_reasons(num_heads, kv_lora_rank, rope_dim))
+            and not few_heads_unsupported_reasons(num_heads, kv_lora_rank, rope_dim)
+            and not (cfg.fp8_mma
+                     and not fp8_mma_unsupported_reasons(kv_cache, kv_lora_rank, rope_dim)))
 
 
 def _fp8_mma_kernel() -> Any:
@@ -442,19 +445,14 @@ def fp8_mma_unsupported_reasons(kv_cache: torch.Tensor, kv_lora_rank: int,
 
 
 def takes_fp8_mma(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tensor,
-                  kv_lora_rank: int, rope_dim: int, gpu: GPU | None, *, scale: float,
-                  num_heads: int | None = None) -> bool:
+                  kv_lora_rank: int, rope_dim: int, gpu: GPU | None, *, scale: float) -> bool:
     """Whether :func:`mla_decode_mma` runs this decode on the fp8-MMA Gluon kernel:
-    ``cfg.fp8_mma`` asks for it, the lead kernel would take it (:func:`takes_lead`),
-    :func:`fp8_mma_unsupported_reasons` is empty, and the few-heads kernel does not
-    take it (:func:`takes_few_heads`, asked when ``num_heads``, the layer's, is
-    given)."""
+    ``cfg.fp8_mma`` asks for it, the lead kernel would take it (:func:`takes_lead`), and
+    :func:`fp8_mma_unsupported_reasons` is empty (at any head count: asked for, it
+    takes precedence over the few-heads kernel)."""
     return (cfg.fp8_mma
             and takes_lead(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu, scale=scale)
-            and not fp8_mma_unsupported_reasons(kv_cache, kv_lora_rank, rope_dim)
-            and not (num_heads is not None
-                     and takes_few_heads(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim,
-                                         gpu, scale=scale, num_heads=num_heads)))
+            and not fp8_mma_unsupported_reasons(kv_cache, kv_lora_rank, rope_dim))
 
 
 def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -522,8 +520,9 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
             "interpreter only until that is found (docs/mla.md)")
     use_gluon = takes_gluon(cfg, q_lat.dtype, kv_cache, L, R, gpu, scale=scale)
     # the few-heads kernel: 16 or 32 heads a program, one program an SM (its shared
-    # memory)
-    few = (use_gluon and cfg.lead and cfg.few_heads
+    # memory); the fp8-MMA kernel first where it is asked for (takes_few_heads)
+    fp8_mma_asked = cfg.fp8_mma and not fp8_mma_unsupported_reasons(kv_cache, L, R)
+    few = (use_gluon and cfg.lead and cfg.few_heads and not fp8_mma_asked
            and not few_heads_unsupported_reasons(n, L, R))
     if use_gluon:  # its own tiles
         cfg = dataclasses.replace(cfg, block_h=(16 if n <= 16 else 32) if few else GLUON_TILE,
@@ -574,8 +573,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         lead = cfg.lead  # takes_lead, given takes_gluon above (checked once a call)
         kernel, launch = ((_lead_kernel(), {"num_warps": 4, "maxnreg": _LEAD_MAXNREG})
                           if lead else (_gluon_kernel(), {"num_warps": 8}))
-        fp8_mma = (lead and not few and cfg.fp8_mma
-                   and not fp8_mma_unsupported_reasons(kv_cache, L, R))
+        fp8_mma = lead and fp8_mma_asked
         if fp8_mma:  # the lead kernel's arguments and launch; its copies of E4M3 bytes
             kernel = _fp8_mma_kernel()
         if few:  # the lead kernel's arguments (and launch, with a 16-bit cache)
