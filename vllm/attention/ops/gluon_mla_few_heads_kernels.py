@@ -48,12 +48,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from vllm.attention.ops.gluon_mla_decode_kernels import widen_fp8
 from vllm.attention.ops.gluon_mla_lead_kernels import (
     _load,
+    _program_keys,
     _query_to_shared,
     _store_half,
+    _tile_buffers,
     _zero_rows,
     jit,
 )
-from vllm.attention.ops.triton_mla_decode_kernels import split_range
 
 LOAD_REGS: gl.constexpr = gl.constexpr(24)
 """Registers a thread of the loader warp (a 16-bit cache)."""
@@ -67,6 +68,26 @@ WIDEN_REGS: gl.constexpr = gl.constexpr(152)
 """Registers a thread of the widening warpgroup (an fp8 cache)."""
 STAGE_ROWS: gl.constexpr = gl.constexpr(32)
 """Keys a stage of the fp8 bytes' ring holds (half a tile)."""
+
+
+@jit
+def _issue_half(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor,
+                bt_row: gl.tensor, start: gl.tensor, page: gl.tensor,
+                st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
+                sfull: gl.shared_memory_descriptor, j: gl.tensor, st: gl.tensor) -> None:
+    """The copy of half ``j`` of the split (keys ``start + 32 j ..``, one page's) into
+    stage ``st`` of the ring by TMA (``st_a[2 st + h]`` latent half ``h``, ``st_p[st]``
+    the rope), landing on ``sfull[st]``."""
+    HB: gl.constexpr = st_a.type.shape[1]
+    HALF: gl.constexpr = st_a.type.shape[2]
+    nbytes: gl.constexpr = 2 * LAT_DESC.block_type.nbytes + PE_DESC.block_type.nbytes
+    n0 = start + j * HB
+    row = gl.load(bt_row + n0 // page) * page + n0 % page  # (a TMA coordinate: 32 bits)
+    bar = sfull.index(st)
+    mbarrier.expect(bar, nbytes)
+    tma.async_copy_global_to_shared(LAT_DESC, [row, 0], bar, st_a.index(2 * st))
+    tma.async_copy_global_to_shared(LAT_DESC, [row, HALF], bar, st_a.index(2 * st + 1))
+    tma.async_copy_global_to_shared(PE_DESC, [row, 2 * HALF], bar, st_p.index(st))
 
 
 @jit
@@ -92,18 +113,11 @@ def _stage_widen(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor
     NCH: gl.constexpr = HALF // CH
     # a thread: 16 consecutive bytes of a row (one 16-byte shared load); a warp: 8 rows
     BYTES: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    nbytes: gl.constexpr = 2 * LAT_DESC.block_type.nbytes + PE_DESC.block_type.nbytes
     n_parts = 2 * n_tiles
     bt_row = BT + req * stride_bt
     for i in gl.static_range(S):  # the first halves, into free stages
         if i < n_parts:
-            n0 = start + i * HB
-            row = gl.load(bt_row + n0 // page) * page + n0 % page
-            bar = sfull.index(i)
-            mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(LAT_DESC, [row, 0], bar, st_a.index(2 * i))
-            tma.async_copy_global_to_shared(LAT_DESC, [row, HALF], bar, st_a.index(2 * i + 1))
-            tma.async_copy_global_to_shared(PE_DESC, [row, 2 * HALF], bar, st_p.index(i))
+            _issue_half(LAT_DESC, PE_DESC, bt_row, start, page, st_a, st_p, sfull, i, i)
     for k in range(n_tiles):
         b = k % 2
         for hh in gl.static_range(2):
@@ -122,17 +136,9 @@ def _stage_widen(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor
             # every warp has read the stage: refill it with half j + S
             fence_async_shared()
             gl.thread_barrier()
-            jn = j + S
-            if jn < n_parts:
-                n0 = start + jn * HB
-                row = gl.load(bt_row + n0 // page) * page + n0 % page
-                bar = sfull.index(st)
-                mbarrier.expect(bar, nbytes)
-                tma.async_copy_global_to_shared(LAT_DESC, [row, 0], bar, st_a.index(2 * st))
-                tma.async_copy_global_to_shared(LAT_DESC, [row, HALF], bar,
-                                                st_a.index(2 * st + 1))
-                tma.async_copy_global_to_shared(PE_DESC, [row, 2 * HALF], bar,
-                                                st_p.index(st))
+            if j + S < n_parts:
+                _issue_half(LAT_DESC, PE_DESC, bt_row, start, page, st_a, st_p, sfull, j + S,
+                            st)
             if hh == 0:
                 mbarrier.wait(kfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
             lo = ka_bufs.index(2 * b).slice(hh * HB, HB, dim=0)
@@ -303,26 +309,11 @@ def mla_decode_few_heads_kernel(
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     F32_ROW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-    hb = gl.program_id(0)
-    sp = gl.program_id(1)
-    t = gl.program_id(2).to(gl.int64)  # offsets of t can pass 2**31
-    req = gl.load(TOK_REQ + t).to(gl.int64)
-    n_keys = gl.load(TOK_POS + t) + 1
-    start, end = split_range(n_keys, num_splits, sp, BLOCK_N)
-    n_tiles = gl.cdiv(end - start, BLOCK_N)
-    n_last = end - start - (n_tiles - 1) * BLOCK_N  # rows of the last tile
+    hb, sp, t, req, start, end, n_tiles, n_last = _program_keys(TOK_REQ, TOK_POS,
+                                                                num_splits, BLOCK_N)
 
     # two buffers of a tile each: [buffer * 2 + half] latent halves, [buffer] rope
-    if FP8 != 0:
-        ka_bufs = gl.allocate_shared_memory(
-            dtype, [4, BLOCK_N, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF],
-                                                                            dtype))
-        kp_bufs = gl.allocate_shared_memory(
-            dtype, [2, BLOCK_N, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE],
-                                                                            dtype))
-    else:
-        ka_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_N, HALF], LAT_DESC.layout)
-        kp_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], PE_DESC.layout)
+    ka_bufs, kp_bufs = _tile_buffers(LAT_DESC, PE_DESC, dtype, BLOCK_N, HALF, ROPE, FP8)
     # two buffers of P^T and of the heads' rescale factors
     p_bufs = gl.allocate_shared_memory(
         dtype, [2, BLOCK_N, BLOCK_H],

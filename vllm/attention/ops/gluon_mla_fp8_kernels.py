@@ -49,11 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from vllm.attention.ops.gluon_mla_lead_kernels import (
     _follow_values,
+    _program_keys,
     _query_to_shared,
     _store_half,
     jit,
 )
-from vllm.attention.ops.triton_mla_decode_kernels import split_range
 
 P_BIAS: gl.constexpr = gl.constexpr(8.0)
 """``log2`` of the factor the probabilities carry into E4M3 (``[0, 256]``)."""
@@ -310,14 +310,8 @@ def mla_decode_fp8_mma_kernel(
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     F32_ROW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-    hb = gl.program_id(0)
-    sp = gl.program_id(1)
-    t = gl.program_id(2).to(gl.int64)  # offsets of t can pass 2**31
-    req = gl.load(TOK_REQ + t).to(gl.int64)
-    n_keys = gl.load(TOK_POS + t) + 1
-    start, end = split_range(n_keys, num_splits, sp, BLOCK_N)
-    n_tiles = gl.cdiv(end - start, BLOCK_N)
-    n_last = end - start - (n_tiles - 1) * BLOCK_N  # rows of the last tile
+    hb, sp, t, req, start, end, n_tiles, n_last = _program_keys(TOK_REQ, TOK_POS,
+                                                                num_splits, BLOCK_N)
 
     # the ring of copied tiles, the keys: [stage * 2 + half] latent halves, [stage] rope;
     # two buffers of transposed values: [buffer * 2 + half]

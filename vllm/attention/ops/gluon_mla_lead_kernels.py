@@ -421,6 +421,44 @@ def _follow(ka_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descript
 
 
 @jit
+def _program_keys(TOK_REQ: gl.tensor, TOK_POS: gl.tensor, num_splits: gl.tensor,
+                  BLOCK_N: gl.constexpr) -> gl.tensor:
+    """The program's head tile ``hb``, split ``sp`` and token ``t`` (grid ``(head tiles,
+    splits, tokens)``), the token's request, and the keys of its split: ``start ..
+    end``, ``n_tiles`` tiles of ``BLOCK_N``, ``n_last`` rows in the last."""
+    hb = gl.program_id(0)
+    sp = gl.program_id(1)
+    t = gl.program_id(2).to(gl.int64)  # offsets of t can pass 2**31
+    req = gl.load(TOK_REQ + t).to(gl.int64)
+    n_keys = gl.load(TOK_POS + t) + 1
+    start, end = split_range(n_keys, num_splits, sp, BLOCK_N)
+    n_tiles = gl.cdiv(end - start, BLOCK_N)
+    n_last = end - start - (n_tiles - 1) * BLOCK_N  # rows of the last tile
+    return hb, sp, t, req, start, end, n_tiles, n_last
+
+
+@jit
+def _tile_buffers(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor,
+                  dtype: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr,
+                  ROPE: gl.constexpr, FP8: gl.constexpr) -> gl.tensor:
+    """Two buffers of a tile in the MMAs' ``dtype``: ``[buffer * 2 + half]`` latent
+    halves ``[BLOCK_N, HALF]``, ``[buffer]`` the rope ``[BLOCK_N, ROPE]``; in the copies'
+    layouts for a 16-bit cache (``FP8`` 0), else in the MMAs' default ones (widened
+    there)."""
+    if FP8 != 0:
+        ka_bufs = gl.allocate_shared_memory(
+            dtype, [4, BLOCK_N, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF],
+                                                                            dtype))
+        kp_bufs = gl.allocate_shared_memory(
+            dtype, [2, BLOCK_N, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE],
+                                                                            dtype))
+    else:
+        ka_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_N, HALF], LAT_DESC.layout)
+        kp_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], PE_DESC.layout)
+    return ka_bufs, kp_bufs
+
+
+@jit
 def mla_decode_lead_kernel(
     Q: gl.tensor, Q_PE: gl.tensor, LAT_DESC: tma.tensor_descriptor,
     PE_DESC: tma.tensor_descriptor, C: gl.tensor, BT: gl.tensor, TOK_REQ: gl.tensor,
@@ -453,26 +491,11 @@ def mla_decode_lead_kernel(
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     F32_ROW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-    hb = gl.program_id(0)
-    sp = gl.program_id(1)
-    t = gl.program_id(2).to(gl.int64)  # offsets of t can pass 2**31
-    req = gl.load(TOK_REQ + t).to(gl.int64)
-    n_keys = gl.load(TOK_POS + t) + 1
-    start, end = split_range(n_keys, num_splits, sp, BLOCK_N)
-    n_tiles = gl.cdiv(end - start, BLOCK_N)
-    n_last = end - start - (n_tiles - 1) * BLOCK_N  # rows of the last tile
+    hb, sp, t, req, start, end, n_tiles, n_last = _program_keys(TOK_REQ, TOK_POS,
+                                                                num_splits, BLOCK_N)
 
     # two buffers of a tile each: [buffer * 2 + half] latent halves, [buffer] rope
-    if FP8 != 0:
-        ka_bufs = gl.allocate_shared_memory(
-            dtype, [4, BLOCK_N, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF],
-                                                                            dtype))
-        kp_bufs = gl.allocate_shared_memory(
-            dtype, [2, BLOCK_N, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE],
-                                                                            dtype))
-    else:
-        ka_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_N, HALF], LAT_DESC.layout)
-        kp_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE], PE_DESC.layout)
+    ka_bufs, kp_bufs = _tile_buffers(LAT_DESC, PE_DESC, dtype, BLOCK_N, HALF, ROPE, FP8)
     p_s = gl.allocate_shared_memory(
         dtype, [BLOCK_H, BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N],
                                                                         dtype))
