@@ -37,11 +37,13 @@ def _imported(node: ast.Import | ast.ImportFrom, here: str, is_package: bool,
             for alias in node.names}
 
 
-def import_graph(package_dir: Path, root: Path) -> dict[str, set[str]]:
-    """Module -> the modules of the same package it imports. An import of a package's
-    submodule also runs the package's ``__init__``, but that is how packages work, not
-    a dependency of the submodule: only imports a module writes count."""
-    files = {module_name(p, root): p for p in sorted(package_dir.rglob("*.py"))}
+def import_graph(package_dir: Path, root: Path, *more: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same packages it imports (``package_dir`` and any
+    ``more``, taken together). An import of a package's submodule also runs the
+    package's ``__init__``, but that is how packages work, not a dependency of the
+    submodule: only imports a module writes count."""
+    files = {module_name(p, root): p
+             for d in (package_dir, *more) for p in sorted(d.rglob("*.py"))}
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
