@@ -333,8 +333,9 @@ def takes_gluon(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tens
 def _gluon_descriptors(cache: torch.Tensor, L: int, R: int, lat_width: int | None = None,
                        block_rows: int = GLUON_TILE) -> tuple[Any, Any]:
     """Gluon TMA descriptors of the latent ``[block_rows, lat_width]`` (default ``L``)
-    and rope ``[block_rows, R]`` blocks of the cache seen as ``[nb * bs, L + R]`` (16-bit, or fp8 as bytes;
-    :func:`gluon_unsupported_reasons` checked that it can be)."""
+    and rope ``[block_rows, R]`` blocks of the cache seen as ``[nb * bs, L + R]``
+    (16-bit, or fp8 as bytes or E4M3; :func:`gluon_unsupported_reasons` checked that it
+    can be)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -410,6 +411,14 @@ def few_heads_unsupported_reasons(num_heads: int, kv_lora_rank: int,
     return reasons
 
 
+def _asks_few_heads(cfg: MLADecodeConfig, kv_cache: torch.Tensor, num_heads: int,
+                    kv_lora_rank: int, rope_dim: int) -> bool:
+    """Given the lead kernel: ``cfg.few_heads`` asks for the few-heads kernel, it can
+    take the decode, and the opt-in fp8-MMA kernel does not (:func:`_asks_fp8_mma`)."""
+    return (cfg.few_heads and not _asks_fp8_mma(cfg, kv_cache, kv_lora_rank, rope_dim)
+            and not few_heads_unsupported_reasons(num_heads, kv_lora_rank, rope_dim))
+
+
 def takes_few_heads(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tensor,
                     kv_lora_rank: int, rope_dim: int, gpu: GPU | None, *, scale: float,
                     num_heads: int) -> bool:
@@ -417,11 +426,8 @@ def takes_few_heads(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.
     ``cfg.few_heads`` asks for it, the lead kernel would take it (:func:`takes_lead`),
     :func:`few_heads_unsupported_reasons` is empty, and the opt-in fp8-MMA kernel does
     not take it (:func:`takes_fp8_mma`)."""
-    return (cfg.few_heads
-            and takes_lead(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu, scale=scale)
-            and not few_heads_unsupported_reasons(num_heads, kv_lora_rank, rope_dim)
-            and not (cfg.fp8_mma
-                     and not fp8_mma_unsupported_reasons(kv_cache, kv_lora_rank, rope_dim)))
+    return (_asks_few_heads(cfg, kv_cache, num_heads, kv_lora_rank, rope_dim)
+            and takes_lead(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu, scale=scale))
 
 
 def _fp8_mma_kernel() -> Any:
@@ -444,15 +450,21 @@ def fp8_mma_unsupported_reasons(kv_cache: torch.Tensor, kv_lora_rank: int,
     return reasons
 
 
+def _asks_fp8_mma(cfg: MLADecodeConfig, kv_cache: torch.Tensor, kv_lora_rank: int,
+                  rope_dim: int) -> bool:
+    """Given the lead kernel: ``cfg.fp8_mma`` asks for the fp8-MMA kernel and it can take
+    the decode."""
+    return cfg.fp8_mma and not fp8_mma_unsupported_reasons(kv_cache, kv_lora_rank, rope_dim)
+
+
 def takes_fp8_mma(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tensor,
                   kv_lora_rank: int, rope_dim: int, gpu: GPU | None, *, scale: float) -> bool:
     """Whether :func:`mla_decode_mma` runs this decode on the fp8-MMA Gluon kernel:
     ``cfg.fp8_mma`` asks for it, the lead kernel would take it (:func:`takes_lead`), and
     :func:`fp8_mma_unsupported_reasons` is empty (at any head count: asked for, it
     takes precedence over the few-heads kernel)."""
-    return (cfg.fp8_mma
-            and takes_lead(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu, scale=scale)
-            and not fp8_mma_unsupported_reasons(kv_cache, kv_lora_rank, rope_dim))
+    return (_asks_fp8_mma(cfg, kv_cache, kv_lora_rank, rope_dim)
+            and takes_lead(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu, scale=scale))
 
 
 def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -519,15 +531,16 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
             "benchmarks/results/h200/2026-12-01-3c3e403); it runs under the "
             "interpreter only until that is found (docs/mla.md)")
     use_gluon = takes_gluon(cfg, q_lat.dtype, kv_cache, L, R, gpu, scale=scale)
-    # the few-heads kernel: 16 or 32 heads a program, one program an SM (its shared
-    # memory); the fp8-MMA kernel first where it is asked for (takes_few_heads)
-    fp8_mma_asked = cfg.fp8_mma and not fp8_mma_unsupported_reasons(kv_cache, L, R)
-    few = (use_gluon and cfg.lead and cfg.few_heads and not fp8_mma_asked
-           and not few_heads_unsupported_reasons(n, L, R))
+    # which Gluon kernel (takes_lead, takes_fp8_mma, takes_few_heads, given takes_gluon:
+    # checked once a call); the few-heads one takes 16 or 32 heads a program, one
+    # program an SM (its shared memory)
+    use_lead = use_gluon and cfg.lead
+    use_fp8_mma = use_lead and _asks_fp8_mma(cfg, kv_cache, L, R)
+    use_few = use_lead and _asks_few_heads(cfg, kv_cache, n, L, R)
     if use_gluon:  # its own tiles
-        cfg = dataclasses.replace(cfg, block_h=(16 if n <= 16 else 32) if few else GLUON_TILE,
-                                  block_n=GLUON_TILE, num_warps=8, v_split=1,
-                                  heads_as_n=False)
+        block_h = (16 if n <= 16 else FEW_HEADS_MAX) if use_few else GLUON_TILE
+        cfg = dataclasses.replace(cfg, block_h=block_h, block_n=GLUON_TILE, num_warps=8,
+                                  v_split=1, heads_as_n=False)
     block_l = _next_pow2(L)
     chunks = 1 if block_l <= _MAX_BOX else cfg.latent_chunks
     lc = block_l // chunks
@@ -543,7 +556,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     head_tiles = -(-n // block_h)
     splits = num_splits or cfg.num_splits
     if splits is None:
-        slots = num_sms * (1 if few else _programs_per_sm(block_h, block_n, cfg))
+        slots = num_sms * (1 if use_few else _programs_per_sm(block_h, block_n, cfg))
         splits = choose_splits(num_tokens=t, programs_per_split=head_tiles * v_split,
                                num_heads=n, kv_lora_rank=L, max_seq_len=max_seq_len,
                                row_bytes=(L + R) * kv_cache.element_size(),
@@ -567,24 +580,22 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         part_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2),
                         lse_part.stride(0), lse_part.stride(1))
     if use_gluon:
-        # both Gluon kernels take the same arguments; the lead-warpgroup one copies the
-        # latent in halves, one for each warpgroup's values, and reads an fp8 cache as
-        # its fp8 type (which says E4M3 or E5M2), the other as bytes
-        lead = cfg.lead  # takes_lead, given takes_gluon above (checked once a call)
+        # every Gluon kernel takes the same arguments; the lead-warpgroup one (and the
+        # fp8-MMA and few-heads ones, with its launch) copies the latent in halves and
+        # reads an fp8 cache as its fp8 type (which says E4M3 or E5M2), the split-scores
+        # one as bytes
         kernel, launch = ((_lead_kernel(), {"num_warps": 4, "maxnreg": _LEAD_MAXNREG})
-                          if lead else (_gluon_kernel(), {"num_warps": 8}))
-        fp8_mma = lead and fp8_mma_asked
-        if fp8_mma:  # the lead kernel's arguments and launch; its copies of E4M3 bytes
+                          if use_lead else (_gluon_kernel(), {"num_warps": 8}))
+        if use_fp8_mma:  # its copies are of E4M3 bytes
             kernel = _fp8_mma_kernel()
-        if few:  # the lead kernel's arguments (and launch, with a 16-bit cache)
+        if use_few:  # its copies of an fp8 cache's bytes are half a tile each
             kernel = _few_heads_kernel()
-        # (the few-heads kernel copies an fp8 cache's bytes half a tile at a time)
-        lat_d, pe_d = _gluon_descriptors(kv_cache if fp8_mma else cache, L, R,
-                                         lat_width=L // 2 if lead else None,
-                                         block_rows=GLUON_TILE // 2 if few and fp8
+        lat_d, pe_d = _gluon_descriptors(kv_cache if use_fp8_mma else cache, L, R,
+                                         lat_width=L // 2 if use_lead else None,
+                                         block_rows=GLUON_TILE // 2 if use_few and fp8
                                          else GLUON_TILE)
         kernel[(head_tiles, splits, t)](
-            q, qe, lat_d, pe_d, kv_cache if lead else cache, bt, req, pos,
+            q, qe, lat_d, pe_d, kv_cache if use_lead else cache, bt, req, pos,
             fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,
             q.stride(0), q.stride(1), qe.stride(0), qe.stride(1),
             cache.stride(0), cache.stride(1), bt.stride(0),
