@@ -171,6 +171,23 @@ def _load_tail(C: gl.tensor, BT: gl.tensor, req: gl.tensor, tail: gl.tensor, end
 
 
 @jit
+def _program_keys(TOK_REQ: gl.tensor, TOK_POS: gl.tensor, num_splits: gl.tensor,
+                  BLOCK_N: gl.constexpr) -> gl.tensor:
+    """The program's head tile ``hb``, split ``sp`` and token ``t`` (grid ``(head tiles,
+    splits, tokens)``), the token's request, and the keys of its split: ``start ..
+    end``, ``n_tiles`` tiles of ``BLOCK_N``, ``n_last`` rows in the last."""
+    hb = gl.program_id(0)
+    sp = gl.program_id(1)
+    t = gl.program_id(2).to(gl.int64)  # offsets of t can pass 2**31
+    req = gl.load(TOK_REQ + t).to(gl.int64)
+    n_keys = gl.load(TOK_POS + t) + 1
+    start, end = split_range(n_keys, num_splits, sp, BLOCK_N)
+    n_tiles = gl.cdiv(end - start, BLOCK_N)
+    n_last = end - start - (n_tiles - 1) * BLOCK_N  # rows of the last tile
+    return hb, sp, t, req, start, end, n_tiles, n_last
+
+
+@jit
 def mla_decode_gluon_kernel(
     Q: gl.tensor, Q_PE: gl.tensor, LAT_DESC: tma.tensor_descriptor,
     PE_DESC: tma.tensor_descriptor, C: gl.tensor, BT: gl.tensor, TOK_REQ: gl.tensor,
@@ -222,12 +239,9 @@ def mla_decode_gluon_kernel(
     Q_LAT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, KV_LORA], DOT)
     Q_PE_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], DOT)
 
-    hb = gl.program_id(0)
-    sp = gl.program_id(1)
-    t = gl.program_id(2).to(gl.int64)  # offsets of t can pass 2**31
-    req = gl.load(TOK_REQ + t).to(gl.int64)
-    n_keys = gl.load(TOK_POS + t) + 1
-    start, end = split_range(n_keys, num_splits, sp, BLOCK_N)
+    # (whole tiles here: the last, partial one goes through pointer loads)
+    hb, sp, t, req, start, end, n_tiles, n_last = _program_keys(TOK_REQ, TOK_POS,
+                                                                num_splits, BLOCK_N)
     n_full = (end - start) // BLOCK_N
 
     # the buffers: two key tiles as stored (TMA), with fp8 one widened tile, the query

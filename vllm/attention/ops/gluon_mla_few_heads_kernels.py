@@ -45,15 +45,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from vllm.attention.ops.gluon_mla_decode_kernels import widen_fp8
+from vllm.attention.ops.gluon_mla_decode_kernels import _program_keys, jit, widen_fp8
 from vllm.attention.ops.gluon_mla_lead_kernels import (
     _load,
-    _program_keys,
+    _query_buffers,
     _query_to_shared,
     _store_half,
+    _store_lse,
     _tile_buffers,
     _zero_rows,
-    jit,
 )
 
 LOAD_REGS: gl.constexpr = gl.constexpr(24)
@@ -66,8 +66,6 @@ VALUE_REGS_32: gl.constexpr = gl.constexpr(192)
 widening warpgroup's 152 that is all of an SM's 64 K registers)."""
 WIDEN_REGS: gl.constexpr = gl.constexpr(152)
 """Registers a thread of the widening warpgroup (an fp8 cache)."""
-STAGE_ROWS: gl.constexpr = gl.constexpr(32)
-"""Keys a stage of the fp8 bytes' ring holds (half a tile)."""
 
 
 @jit
@@ -104,7 +102,7 @@ def _stage_widen(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor
     ahead; each half is read into registers, its stage refilled at once, and widened
     exactly to float16 into tile buffer ``k % 2`` (once the value MMAs of tile
     ``k - 2`` are done with it). Rows past a split's end are widened as they are (the
-    computing warpgroup masks their scores and zeroes them before the value MMAs)."""
+    scoring warpgroup masks their scores and zeroes them before the value MMAs)."""
     HB: gl.constexpr = st_a.type.shape[1]
     HALF: gl.constexpr = st_a.type.shape[2]
     S: gl.constexpr = st_p.type.shape[0]
@@ -221,11 +219,7 @@ def _scores_n(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
     l_s.store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(lfull.index(0))
-    seen = l_i > 0.0
-    lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
-    lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, HEADS)
-    gl.store(LSE_PART + t * stride_lt + lh * stride_lh + sp, lse,
-             mask=(lh < num_heads) & (single == 0))
+    _store_lse(m_i, l_i, 0.0, LSE_PART, t, hb, sp, num_heads, stride_lt, stride_lh, single)
 
 
 @jit
@@ -294,11 +288,12 @@ def mla_decode_few_heads_kernel(
     num_warps: gl.constexpr,
 ) -> None:
     """One (head tile, split, token) program; grid ``(head tiles, splits, tokens)``;
-    the arguments of :func:`~vllm.attention.ops.gluon_mla_lead_kernels.mla_decode_lead_kernel`
-    (``LAT_DESC``: ``[64, L / 2]`` blocks, used for 16-bit caches only), with
-    ``BLOCK_H`` 16 or 32 heads a program. ``num_warps`` 4: the computing warpgroup; the
-    loader warp or the widening warpgroup (``FP8`` 1: E4M3, 2: E5M2) are partitions of
-    their own."""
+    the arguments of :func:`~vllm.attention.ops.gluon_mla_lead_kernels.mla_decode_lead_kernel`,
+    with ``BLOCK_H`` 16 or 32 heads a program. ``LAT_DESC`` / ``PE_DESC``: ``[64, L /
+    2]`` and ``[64, R]`` blocks of a 16-bit cache, or of an fp8 cache's bytes
+    ``[32, L / 2]`` and ``[32, R]`` (half a tile: the ring's stages). ``num_warps`` 4:
+    the scoring warpgroup; the values' warpgroup and the loader warp or the widening
+    warpgroup (``FP8`` 1: E4M3, 2: E5M2) are partitions of their own."""
     gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
     gl.static_assert(PAGE % BLOCK_N == 0, "a tile inside one page")
     gl.static_assert(BLOCK_N == 64, "the keys are the M of a warpgroup MMA")
@@ -335,11 +330,7 @@ def mla_decode_few_heads_kernel(
 
     # the query in halves of the latent and the rope part: the score MMAs' B operands
     # (K-major, as stored)
-    q_s = gl.allocate_shared_memory(
-        dtype, [2, BLOCK_H, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF],
-                                                                        dtype))
-    qp_s = gl.allocate_shared_memory(
-        dtype, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype))
+    q_s, qp_s = _query_buffers(dtype, BLOCK_H, HALF, ROPE)
     # an fp8 cache: the query scaled into float16's top binades
     oscale = _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
                               stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s,
@@ -366,10 +357,13 @@ def mla_decode_few_heads_kernel(
     else:
         # the ring of the bytes: three stages of half a tile at 16 heads, two at 32 (the
         # query and P take twice the shared memory)
+        # (a stage's rows are the descriptors' blocks: half a tile)
         S: gl.constexpr = 3 if BLOCK_H == 16 else 2
-        st_a = gl.allocate_shared_memory(LAT_DESC.block_type.element_ty, [2 * S, STAGE_ROWS, HALF],
+        HB: gl.constexpr = LAT_DESC.block_type.shape[0]
+        gl.static_assert(2 * HB == BLOCK_N, "the bytes' blocks are half a tile")
+        st_a = gl.allocate_shared_memory(LAT_DESC.block_type.element_ty, [2 * S, HB, HALF],
                                          LAT_DESC.layout)
-        st_p = gl.allocate_shared_memory(PE_DESC.block_type.element_ty, [S, STAGE_ROWS, ROPE],
+        st_p = gl.allocate_shared_memory(PE_DESC.block_type.element_ty, [S, HB, ROPE],
                                          PE_DESC.layout)
         sfull = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(S):

@@ -47,12 +47,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from vllm.attention.ops.gluon_mla_decode_kernels import _program_keys, jit
 from vllm.attention.ops.gluon_mla_lead_kernels import (
     _follow_values,
-    _program_keys,
+    _query_buffers,
     _query_to_shared,
     _store_half,
-    jit,
+    _store_lse,
 )
 
 P_BIAS: gl.constexpr = gl.constexpr(8.0)
@@ -248,11 +249,8 @@ def _lead8(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
     mbarrier.arrive(lfull.index(0))
     _store_half(_natural(acc), l_i, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
                 stride_pt, stride_ph, stride_ps, single, oscale, 0)
-    seen = l_i > 0.0
-    lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)) - P_BIAS, float("-inf"))
-    lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, S_ROWS)
-    gl.store(LSE_PART + t * stride_lt + lh * stride_lh + sp, lse,
-             mask=(lh < num_heads) & (single == 0))
+    _store_lse(m_i, l_i, P_BIAS, LSE_PART, t, hb, sp, num_heads, stride_lt, stride_lh,
+               single)
 
 
 @jit
@@ -342,10 +340,7 @@ def mla_decode_fp8_mma_kernel(
     mbarrier.init(lfull.index(0), count=1)
 
     # the query in E4M3: halves of the latent (the score MMAs' A operands), the rope
-    q_s = gl.allocate_shared_memory(
-        f8, [2, BLOCK_H, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], f8))
-    qp_s = gl.allocate_shared_memory(
-        f8, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], f8))
+    q_s, qp_s = _query_buffers(f8, BLOCK_H, HALF, ROPE)
     # each head scaled into E4M3's top binades ([2**7, 2**8): its largest finite value is
     # 448) and rounded
     oscale = _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,

@@ -42,10 +42,6 @@ see them masked, and before it publishes ``P``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -55,13 +51,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from vllm.attention.ops.gluon_mla_decode_kernels import widen_fp8
-from vllm.attention.ops.triton_mla_decode_kernels import row_powers, split_range
+from vllm.attention.ops.gluon_mla_decode_kernels import (
+    LOG2E,
+    _program_keys,
+    jit,
+    widen_fp8,
+)
+from vllm.attention.ops.triton_mla_decode_kernels import row_powers
 
-jit: Callable[[Callable[..., Any]], Any] = gluon.jit
-"""``gluon.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
-
-LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 FOLLOW_REGS: gl.constexpr = gl.constexpr(192)
 """Registers a thread of the follower (its ``[64, L / 2]`` float32 accumulator takes 128)."""
 FOLLOW_REGS_FP8: gl.constexpr = gl.constexpr(168)
@@ -182,6 +179,20 @@ def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end:
         _prefetch_l2(tile + gl.minimum(lines, span))
         _prefetch_l2(tile + gl.minimum(lines + 256 * 128, span))
         blk_pf = gl.load(bt_row + (start + gl.minimum(k + 4, last) * BLOCK_N) // page)
+
+
+@jit
+def _query_buffers(dtype: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr,
+                   ROPE: gl.constexpr) -> gl.tensor:
+    """Shared memory for a head tile's query in the MMAs' ``dtype``, in their default
+    layouts: ``[2, BLOCK_H, HALF]`` the latent in halves, ``[BLOCK_H, ROPE]`` the rope
+    (filled by :func:`_query_to_shared`)."""
+    q_s = gl.allocate_shared_memory(
+        dtype, [2, BLOCK_H, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF],
+                                                                        dtype))
+    qp_s = gl.allocate_shared_memory(
+        dtype, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype))
+    return q_s, qp_s
 
 
 @jit
@@ -354,9 +365,24 @@ def _lead(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
     mbarrier.arrive(lfull.index(0))
     _store_half(acc, l_i, OUT, O_PART, t, hb, sp, num_heads,
                 stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0)
+    _store_lse(m_i, l_i, 0.0, LSE_PART, t, hb, sp, num_heads, stride_lt, stride_lh, single)
+
+
+@jit
+def _store_lse(m_i: gl.tensor, l_i: gl.tensor, BIAS: gl.constexpr, LSE_PART: gl.tensor,
+               t: gl.tensor, hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor,
+               stride_lt: gl.tensor, stride_lh: gl.tensor, single: gl.tensor) -> None:
+    """A split's base-2 log-sum-exp of head tile ``hb`` from its running maxima ``m_i``
+    and sums ``l_i`` (``-inf`` for a split that saw no key), less ``BIAS`` (the ``log2``
+    of a factor the probabilities carried); nothing when the program's split is the
+    only one (``single``)."""
+    BLOCK_H: gl.constexpr = m_i.type.shape[0]
     seen = l_i > 0.0
-    lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
-    lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, S_ROWS)
+    lse = m_i + gl.log2(gl.where(seen, l_i, 1.0))
+    if BIAS != 0.0:
+        lse = lse - BIAS
+    lse = gl.where(seen, lse, float("-inf"))
+    lh = hb * BLOCK_H + gl.arange(0, BLOCK_H, m_i.type.layout)
     gl.store(LSE_PART + t * stride_lt + lh * stride_lh + sp, lse,
              mask=(lh < num_heads) & (single == 0))
 
@@ -418,23 +444,6 @@ def _follow(ka_bufs: gl.shared_memory_descriptor, p_s: gl.shared_memory_descript
     l_i = l_s.load(gl.SliceLayout(1, acc.type.layout))
     _store_half(acc, l_i, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
                 stride_pt, stride_ph, stride_ps, single, oscale, 1)
-
-
-@jit
-def _program_keys(TOK_REQ: gl.tensor, TOK_POS: gl.tensor, num_splits: gl.tensor,
-                  BLOCK_N: gl.constexpr) -> gl.tensor:
-    """The program's head tile ``hb``, split ``sp`` and token ``t`` (grid ``(head tiles,
-    splits, tokens)``), the token's request, and the keys of its split: ``start ..
-    end``, ``n_tiles`` tiles of ``BLOCK_N``, ``n_last`` rows in the last."""
-    hb = gl.program_id(0)
-    sp = gl.program_id(1)
-    t = gl.program_id(2).to(gl.int64)  # offsets of t can pass 2**31
-    req = gl.load(TOK_REQ + t).to(gl.int64)
-    n_keys = gl.load(TOK_POS + t) + 1
-    start, end = split_range(n_keys, num_splits, sp, BLOCK_N)
-    n_tiles = gl.cdiv(end - start, BLOCK_N)
-    n_last = end - start - (n_tiles - 1) * BLOCK_N  # rows of the last tile
-    return hb, sp, t, req, start, end, n_tiles, n_last
 
 
 @jit
@@ -515,11 +524,7 @@ def mla_decode_lead_kernel(
     mbarrier.init(lfull.index(0), count=1)
 
     # the query in halves of the latent (the score MMAs' A operands), and the rope part
-    q_s = gl.allocate_shared_memory(
-        dtype, [2, BLOCK_H, HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF],
-                                                                        dtype))
-    qp_s = gl.allocate_shared_memory(
-        dtype, [BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dtype))
+    q_s, qp_s = _query_buffers(dtype, BLOCK_H, HALF, ROPE)
     # an fp8 cache: the query scaled into float16's top binades
     oscale = _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
                               stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s,
