@@ -7,6 +7,8 @@ was, and a query and output with strides."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 
@@ -14,6 +16,9 @@ from tests.mla.helpers import e4m3_query, filled_latent_cache, latent_decode_ref
 from vllm.attention.ops.mla_attention import LatentFormat
 from vllm.attention.registry import get_backend
 from vllm.attention.writers.kernels.device import GPU
+
+if TYPE_CHECKING:
+    from vllm.attention.ops.triton_mla_decode import MLADecodeConfig
 
 L, R, PAGE = 512, 64, 64
 H90 = GPU("nvidia", (9, 0))
@@ -164,6 +169,40 @@ def _case(heads: int, dtype: torch.dtype, cache_dtype: str, seed: int) -> dict[s
                 pos=torch.tensor([p for _, p in tokens], dtype=torch.int32, device="cuda"))
 
 
+def _assert_near(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """``out`` within ``tol`` of the float64 ``ref`` as a whole (relative Frobenius
+    error), and every token's every head within 4 x: no row may be off while the whole
+    is within tolerance."""
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err < tol, (err, tol)
+    rows = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
+    assert float(rows) < 4 * tol, (float(rows), tol)
+
+
+def _decode_against_float64(x: dict[str, object], dtype: torch.dtype, cache_dtype: str,
+                            splits: int | None, cfg: MLADecodeConfig | None) -> None:
+    """The decode of case ``x`` with ``cfg`` (None: the device's default), the query's
+    latent and rope parts as separate strided views (as the layer passes them): within
+    the backend's tolerance of float64, the cache untouched."""
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
+    q: torch.Tensor = x["q"]  # type: ignore[assignment]
+    before = cache.view(torch.uint8).clone()
+    fp8 = cache_dtype in FP8
+    fmt = LatentFormat(cache_dtype, L, R,
+                       torch.tensor([K_SCALE if fp8 else 1.0], device="cuda"), dtype)
+    scale = 192 ** -0.5
+    out = tmd.mla_decode_mma(q[..., :L], cache, x["bt"], x["req"], x["pos"], fmt,  # type: ignore[arg-type]
+                             scale=scale, max_seq_len=max(SEQ_LENS), num_splits=splits,
+                             out_dtype=dtype, q_pe=q[..., L:], config=cfg)
+    ref = latent_decode_reference(q, cache, x["bt"], x["tokens"], L, scale,  # type: ignore[arg-type]
+                                  K_SCALE if fp8 else None)
+    assert torch.equal(cache.view(torch.uint8), before)
+    assert torch.isfinite(out).all()
+    _assert_near(out, ref, get_backend("TRITON_MLA").tolerances[dtype])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="the Gluon kernel runs on NVIDIA sm_90 only")
 @pytest.mark.parametrize("splits", [None, 1, 3, 64], ids=lambda s: f"splits{s}")
@@ -183,7 +222,6 @@ def test_gluon_against_float64(dtype: torch.dtype, cache_dtype: str, lead: bool,
 
     x = _case(heads, dtype, cache_dtype, seed=heads + (splits or 0))
     cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
-    q: torch.Tensor = x["q"]  # type: ignore[assignment]
     gpu = tmd.gpu_of(cache.device)
     assert tmd.gluon_unsupported_reasons(dtype, cache, L, R, gpu) == []
     # (the few-heads kernel, the default for at most 32 heads, has its own test)
@@ -191,25 +229,7 @@ def test_gluon_against_float64(dtype: torch.dtype, cache_dtype: str, lead: bool,
     # the default takes the lead-warpgroup kernel (and lead=False the split-scores one)
     assert tmd.takes_lead(cfg, dtype, cache, L, R, gpu, scale=1.0) == lead
     assert not tmd.takes_few_heads(cfg, dtype, cache, L, R, gpu, scale=1.0, num_heads=heads)
-    before = cache.view(torch.uint8).clone()
-    fp8 = cache_dtype in FP8
-    k_scale = K_SCALE if fp8 else 1.0
-    fmt = LatentFormat(cache_dtype, L, R, torch.tensor([k_scale], device="cuda"), dtype)
-    scale = 192 ** -0.5
-    # the latent and rope parts as separate strided views, as the layer passes them
-    out = tmd.mla_decode_mma(q[..., :L], cache, x["bt"], x["req"], x["pos"], fmt,  # type: ignore[arg-type]
-                             scale=scale, max_seq_len=max(SEQ_LENS), num_splits=splits,
-                             out_dtype=dtype, q_pe=q[..., L:], config=cfg)
-    ref = latent_decode_reference(q, cache, x["bt"], x["tokens"], L, scale,  # type: ignore[arg-type]
-                                  K_SCALE if fp8 else None)
-    assert torch.equal(cache.view(torch.uint8), before)
-    assert torch.isfinite(out).all()
-    tol = get_backend("TRITON_MLA").tolerances[dtype]
-    err = float((out.double() - ref).norm() / ref.norm())
-    assert err < tol, err
-    # every token, every head: no row may be off while the whole is within tolerance
-    rows = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
-    assert float(rows) < 4 * tol, float(rows)
+    _decode_against_float64(x, dtype, cache_dtype, splits, cfg)
 
 
 @pytest.mark.gpu
@@ -228,27 +248,10 @@ def test_few_heads_against_float64(dtype: torch.dtype, cache_dtype: str, heads: 
 
     x = _case(heads, dtype, cache_dtype, seed=2000 + heads + (splits or 0))
     cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
-    q: torch.Tensor = x["q"]  # type: ignore[assignment]
     gpu = tmd.gpu_of(cache.device)
-    cfg = tmd.default_config(dtype, gpu)
-    assert tmd.takes_few_heads(cfg, dtype, cache, L, R, gpu, scale=1.0, num_heads=heads)
-    before = cache.view(torch.uint8).clone()
-    fp8 = cache_dtype in FP8
-    fmt = LatentFormat(cache_dtype, L, R,
-                       torch.tensor([K_SCALE if fp8 else 1.0], device="cuda"), dtype)
-    scale = 192 ** -0.5
-    out = tmd.mla_decode_mma(q[..., :L], cache, x["bt"], x["req"], x["pos"], fmt,  # type: ignore[arg-type]
-                             scale=scale, max_seq_len=max(SEQ_LENS), num_splits=splits,
-                             out_dtype=dtype, q_pe=q[..., L:])
-    ref = latent_decode_reference(q, cache, x["bt"], x["tokens"], L, scale,  # type: ignore[arg-type]
-                                  K_SCALE if fp8 else None)
-    assert torch.equal(cache.view(torch.uint8), before)
-    assert torch.isfinite(out).all()
-    tol = get_backend("TRITON_MLA").tolerances[dtype]
-    err = float((out.double() - ref).norm() / ref.norm())
-    assert err < tol, err
-    rows = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
-    assert float(rows) < 4 * tol, float(rows)
+    assert tmd.takes_few_heads(tmd.default_config(dtype, gpu), dtype, cache, L, R, gpu,
+                               scale=1.0, num_heads=heads)
+    _decode_against_float64(x, dtype, cache_dtype, splits, None)
 
 
 @pytest.mark.gpu
@@ -283,7 +286,4 @@ def test_fp8_mma_against_float64(dtype: torch.dtype, heads: int, splits: int | N
                        (q, tmd.FP8_MMA_TOLERANCE)):
         ref = latent_decode_reference(query, cache, x["bt"], x["tokens"], L, scale,  # type: ignore[arg-type]
                                       K_SCALE)
-        err = float((out.double() - ref).norm() / ref.norm())
-        assert err < tol, (err, tol)
-        rows = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
-        assert float(rows) < 4 * tol, (float(rows), tol)
+        _assert_near(out, ref, tol)
