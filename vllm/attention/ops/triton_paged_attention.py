@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from vllm.attention.env import env_flag
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.paged_args import PagedBatchLike, check_paged_args
 from vllm.attention.ops.paged_kv import Dequant, PagedKV
@@ -49,7 +49,7 @@ def _kernels() -> ModuleType:
 
 def interpreter_active() -> bool:
     """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET`` set)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag("TRITON_INTERPRET")
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:

@@ -8,10 +8,9 @@ a device sync, so they run only in checked mode (``VLLM_KV_CHECKED=1`` or
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from vllm.attention.env import env_flag
 from vllm.attention.errors import InvalidTypeError, KVCacheWriteError
 from vllm.attention.types import KVCacheDType, KVQuant, is_fp8_scaled
 from vllm.attention.writers.quant import FP8_DTYPES
@@ -21,7 +20,7 @@ _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 def checked_mode_from_env() -> bool:
     """``VLLM_KV_CHECKED`` set to 1/true/yes/on turns checked mode on by default."""
-    return os.environ.get("VLLM_KV_CHECKED", "").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag("VLLM_KV_CHECKED")
 
 
 def check_tensor(name: str, t: object) -> torch.Tensor:

@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import importlib
 import math
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Final, Generic, TypeVar
 
@@ -35,6 +34,7 @@ from vllm.attention.backend import (
 )
 from vllm.attention.backends.mla.spec import MLALayerSpec as MLALayerSpec
 from vllm.attention.backends.mla.spec import MLAProjection as MLAProjection
+from vllm.attention.env import env_flag
 from vllm.attention.errors import InvalidArgumentError, InvalidTypeError
 from vllm.attention.layouts import (
     FP8_DS_MLA_ENTRY_BYTES,
@@ -251,22 +251,11 @@ def portable_path(device: torch.device) -> ComputePath:
     return "torch"
 
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
-
-
 def fp8_mma_from_env() -> bool:
     """``VLLM_MLA_FP8_MMA``: the default of :attr:`MLACommonImpl.fp8_mma` for the layers
     built after it is read (``1``/``true``/``yes``/``on``; unset or ``0``/``false``/
     ``no``/``off``: off). Any other value is refused, not read as off."""
-    raw = os.environ.get("VLLM_MLA_FP8_MMA", "")
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise InvalidArgumentError("VLLM_MLA_FP8_MMA", raw,
-                               "1, true, yes or on; or unset, 0, false, no or off")
+    return env_flag("VLLM_MLA_FP8_MMA", strict=True)
 
 
 class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
