@@ -36,6 +36,9 @@ Partitions (mbarriers in brackets):
 
 from __future__ import annotations
 
+from typing import Any
+
+from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -64,93 +67,260 @@ float32 accumulators take 64)."""
 VALUE_REGS_32: gl.constexpr = gl.constexpr(192)
 """The same at 32 heads (the accumulators take 128; with the launch's 168 and the
 widening warpgroup's 152 that is all of an SM's 64 K registers)."""
-WIDEN_REGS: gl.constexpr = gl.constexpr(152)
-"""Registers a thread of the widening warpgroup (an fp8 cache)."""
+VALUE_REGS_FP8: gl.constexpr = gl.constexpr(232)
+"""Registers a thread of the values' warpgroup with an fp8 cache (its accumulators, and
+two A operands of ``TK`` keys each in registers: one in flight, one read)."""
+
+
+@constexpr_function
+def _log2(n: int) -> int:
+    return int(n).bit_length() - 1
+
+
+@constexpr_function
+def _order(src: list[str], dst: list[str]) -> list[int]:
+    """The dims' order that turns a tensor whose dims are ``src``'s bits (named, low to
+    high; one dim of 2 each, the highest first) into one whose dims are ``dst``'s."""
+    return [src[::-1].index(name) for name in dst[::-1]]
+
+
+@constexpr_function
+def _score_bits(W: int) -> tuple[list[str], list[str]]:
+    # a stored column's bits and a score operand's column's (:func:`score_cols`)
+    j = [f"j{i}" for i in range(_log2(W) - 4)]
+    return ["e", "h", *j, "c0", "c1"], ["e", "c0", "c1", "h", *j]
+
+
+@constexpr_function
+def score_layout(W: Any) -> gl.DistributedLinearLayout:
+    """How the scoring warpgroup reads ``[64, W]`` stored bytes (keys, columns): a
+    thread 16 consecutive bytes (or ``W / 4``) of two rows, the keys of its A fragments
+    (``W / 4 * 2`` bytes a thread)."""
+    regs = [[0, 1], [0, 2], *[[0, 4 << i] for i in range(_log2(W) - 4)], [8, 0]]
+    lanes = [[0, W // 4], [0, W // 2], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, [[16, 0], [32, 0]], [], [64, W])
+
+
+@constexpr_function
+def score_order(W: Any) -> tuple[list[int], list[int]]:
+    """The shape and dims' order that turn bytes read in :func:`score_layout` into the
+    score operand's order of columns (:func:`score_cols`)."""
+    stored, operand = _score_bits(W)
+    return [64] + [2] * len(stored), [0] + [1 + i for i in _order(stored, operand)]
+
+
+@constexpr_function
+def _value_bits(HALF: int) -> tuple[list[str], list[str]]:
+    # a stored column's bits and the value operand's row's (its M): the rows a thread
+    # holds (m3 and the blocks of 64) are consecutive bytes
+    a = _log2(HALF)
+    blocks = [f"m{6 + i}" for i in range(a - 6)]
+    return ["m3", *blocks, "m0", "m1", "m2", "m4", "m5"], [f"m{i}" for i in range(a)]
+
+
+@constexpr_function
+def value_layout(TK: Any, HALF: Any) -> gl.DistributedLinearLayout:
+    """How the values' warpgroup reads ``[TK, HALF]`` stored bytes (keys, latent
+    columns): a thread ``HALF / 32`` consecutive bytes of each of its keys, the rows of
+    its A fragments (the latent's columns are the value MMAs' M)."""
+    nb = _log2(HALF) - 6
+    regs = [[0, 1 << i] for i in range(1 + nb)]
+    regs += [[1, 0], [8, 0], *[[16 << i, 0] for i in range(_log2(TK) - 4)]]
+    lanes = [[2, 0], [4, 0], *[[0, 1 << (1 + nb + i)] for i in range(3)]]
+    warps = [[0, 1 << (4 + nb)], [0, 1 << (5 + nb)]]
+    return gl.DistributedLinearLayout(regs, lanes, warps, [], [TK, HALF])
+
+
+@constexpr_function
+def value_order(HALF: Any, N: Any, back: Any) -> tuple[list[int], list[int]]:
+    """The shape and dims' order that turn ``[HALF, N]`` (stored columns as rows) into
+    the value operand's order of rows, or (``back``) its rows into stored columns."""
+    stored, operand = _value_bits(HALF)
+    src, dst = (operand, stored) if back else (stored, operand)
+    return [2] * len(stored) + [N], [*_order(src, dst), len(stored)]
 
 
 @jit
-def _issue_half(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor,
-                bt_row: gl.tensor, start: gl.tensor, page: gl.tensor,
-                st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
-                sfull: gl.shared_memory_descriptor, j: gl.tensor, st: gl.tensor) -> None:
-    """The copy of half ``j`` of the split (keys ``start + 32 j ..``, one page's) into
-    stage ``st`` of the ring by TMA (``st_a[2 st + h]`` latent half ``h``, ``st_p[st]``
-    the rope), landing on ``sfull[st]``."""
-    HB: gl.constexpr = st_a.type.shape[1]
-    HALF: gl.constexpr = st_a.type.shape[2]
-    nbytes: gl.constexpr = 2 * LAT_DESC.block_type.nbytes + PE_DESC.block_type.nbytes
-    n0 = start + j * HB
-    row = gl.load(bt_row + n0 // page) * page + n0 % page  # (a TMA coordinate: 32 bits)
-    bar = sfull.index(st)
-    mbarrier.expect(bar, nbytes)
-    tma.async_copy_global_to_shared(LAT_DESC, [row, 0], bar, st_a.index(2 * st))
-    tma.async_copy_global_to_shared(LAT_DESC, [row, HALF], bar, st_a.index(2 * st + 1))
-    tma.async_copy_global_to_shared(PE_DESC, [row, 2 * HALF], bar, st_p.index(st))
+def _score_operand(raw: gl.shared_memory_descriptor, FP8: gl.constexpr,
+                   DOT: gl.constexpr) -> gl.tensor:
+    """A score MMA's A operand from a tile's stored bytes ``raw`` (``[64, W]``): read 16
+    bytes a thread, put in the operand's order of columns and widened exactly to
+    float16 in registers."""
+    W: gl.constexpr = raw.type.shape[1]
+    SHAPE: gl.constexpr = score_order(W)[0]
+    ORDER: gl.constexpr = score_order(W)[1]
+    x = raw.load(score_layout(W))
+    x = gl.reshape(gl.permute(gl.reshape(x, SHAPE), ORDER.value), [64, W])
+    return widen_fp8(gl.convert_layout(x, DOT), FP8)
 
 
 @jit
-def _stage_widen(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor,
-                 C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor,
-                 n_tiles: gl.tensor, stride_bt: gl.tensor, page: gl.tensor,
-                 st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
-                 sfull: gl.shared_memory_descriptor, ka_bufs: gl.shared_memory_descriptor,
-                 kp_bufs: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
-                 kfree: gl.shared_memory_descriptor) -> None:
-    """The widening warpgroup of an fp8 cache (``C``'s element type: E4M3 or E5M2): the
-    tiles' bytes come by TMA, half a tile (32 keys) at a time, into a ring of ``S``
-    stages (``st_a[2 s + h]`` latent half ``h``, ``st_p[s]`` the rope), ``S`` halves
-    ahead; each half is read into registers, its stage refilled at once, and widened
-    exactly to float16 into tile buffer ``k % 2`` (once the value MMAs of tile
-    ``k - 2`` are done with it). Rows past a split's end are widened as they are (the
-    scoring warpgroup masks their scores and zeroes them before the value MMAs)."""
-    HB: gl.constexpr = st_a.type.shape[1]
-    HALF: gl.constexpr = st_a.type.shape[2]
-    S: gl.constexpr = st_p.type.shape[0]
+def _value_operand(raw: gl.shared_memory_descriptor, n_valid: gl.tensor, k0: gl.tensor,
+                   FP8: gl.constexpr, DOT: gl.constexpr) -> gl.tensor:
+    """A value MMA's A operand (``[HALF, TK]``: the tile's latent transposed) from the
+    stored bytes ``raw`` (``[TK, HALF]``, keys ``k0 ..`` of the tile) in the operand's
+    order of rows, widened exactly to float16 in registers; keys at or past ``n_valid``
+    as zeros (their bytes may be anything, NaN too, and a zero probability times NaN
+    is NaN)."""
+    TK: gl.constexpr = raw.type.shape[0]
+    HALF: gl.constexpr = raw.type.shape[1]
+    LAYOUT: gl.constexpr = value_layout(TK, HALF)
+    SHAPE: gl.constexpr = value_order(HALF, TK, False)[0]
+    ORDER: gl.constexpr = value_order(HALF, TK, False)[1]
+    x = raw.load(LAYOUT)
+    if n_valid < k0 + TK:
+        keys = k0 + gl.arange(0, TK, gl.SliceLayout(1, LAYOUT))
+        x = gl.where((keys < n_valid)[:, None], x, gl.zeros_like(x))
+    x = gl.reshape(gl.permute(gl.reshape(gl.permute(x, (1, 0)), SHAPE), ORDER.value), [HALF, TK])
+    return widen_fp8(gl.convert_layout(x, DOT), FP8)
+
+
+@jit
+def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
+              st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
+              p_bufs: gl.shared_memory_descriptor, a_bufs: gl.shared_memory_descriptor,
+              l_s: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
+              kfree: gl.shared_memory_descriptor, pfull: gl.shared_memory_descriptor,
+              pfree: gl.shared_memory_descriptor, lfull: gl.shared_memory_descriptor,
+              n_tiles: gl.tensor, n_last: gl.tensor, qk_s: gl.shared_memory_descriptor,
+              LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor, sp: gl.tensor,
+              num_heads: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
+              single: gl.tensor, C: gl.tensor) -> None:
+    """The scoring warpgroup of an fp8 cache: tile ``k``'s bytes read from stage
+    ``k % S`` of the ring into the A fragments of its score MMAs (widened in registers;
+    the query's columns stored in the same order), the stage released, then the
+    softmax of :func:`_scores_n`. ``C``: the cache (its element type, E4M3 or E5M2)."""
     FP8: gl.constexpr = 1 if C.dtype.element_ty == gl.float8e4nv else 2
-    CH: gl.constexpr = 128 if HALF >= 128 else HALF
-    NCH: gl.constexpr = HALF // CH
-    # a thread: 16 consecutive bytes of a row (one 16-byte shared load); a warp: 8 rows
-    BYTES: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    n_parts = 2 * n_tiles
-    bt_row = BT + req * stride_bt
-    for i in gl.static_range(S):  # the first halves, into free stages
-        if i < n_parts:
-            _issue_half(LAT_DESC, PE_DESC, bt_row, start, page, st_a, st_p, sfull, i, i)
+    S: gl.constexpr = kfull.type.shape[0]
+    BLOCK_N: gl.constexpr = st_a.type.shape[1]
+    HALF: gl.constexpr = st_a.type.shape[2]
+    BLOCK_H: gl.constexpr = q_s.type.shape[1]
+    dtype: gl.constexpr = q_s.dtype
+    Q4: gl.constexpr = 128  # the latent's columns an MMA
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    HEADS: gl.constexpr = gl.SliceLayout(0, ACC)
+
+    l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, ACC)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, HEADS)
+    qk = qk_s.load(HEADS)  # what turns a head's raw scores into base-2 logits (> 0)
     for k in range(n_tiles):
+        st = k % S
         b = k % 2
-        for hh in gl.static_range(2):
-            j = 2 * k + hh
-            st = j % S
-            mbarrier.wait(sfull.index(st), (j // S) & 1)
-            # (NCH 1: the second chunk of each half is not there, and not stored)
-            x0 = st_a.index(2 * st).slice(0, CH, dim=1).load(BYTES)
-            x2 = st_a.index(2 * st + 1).slice(0, CH, dim=1).load(BYTES)
-            x1 = x0
-            x3 = x2
-            if NCH == 2:
-                x1 = st_a.index(2 * st).slice(CH, CH, dim=1).load(BYTES)
-                x3 = st_a.index(2 * st + 1).slice(CH, CH, dim=1).load(BYTES)
-            xr = st_p.index(st).load(BYTES)
-            # every warp has read the stage: refill it with half j + S
-            fence_async_shared()
-            gl.thread_barrier()
-            if j + S < n_parts:
-                _issue_half(LAT_DESC, PE_DESC, bt_row, start, page, st_a, st_p, sfull, j + S,
-                            st)
-            if hh == 0:
-                mbarrier.wait(kfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
-            lo = ka_bufs.index(2 * b).slice(hh * HB, HB, dim=0)
-            hi = ka_bufs.index(2 * b + 1).slice(hh * HB, HB, dim=0)
-            lo.slice(0, CH, dim=1).store(widen_fp8(x0, FP8))
-            hi.slice(0, CH, dim=1).store(widen_fp8(x2, FP8))
-            if NCH == 2:
-                lo.slice(CH, CH, dim=1).store(widen_fp8(x1, FP8))
-                hi.slice(CH, CH, dim=1).store(widen_fp8(x3, FP8))
-            kp_bufs.index(b).slice(hh * HB, HB, dim=0).store(widen_fp8(xr, FP8))
-        # visible to the MMAs (the async proxy), every warp's, before the arrival
+        mbarrier.wait(kfull.index(st), (k // S) & 1)
+        # an operand's registers stay untouched until its MMA is done: one in flight
+        # while the next is read
+        prev = _score_operand(st_p.index(st), FP8, DOT)
+        s = warpgroup_mma(prev, qp_s.permute((1, 0)),
+                          gl.zeros([BLOCK_N, BLOCK_H], gl.float32, ACC),
+                          use_acc=False, is_async=True)
+        for part in gl.static_range(2 * HALF // Q4):
+            a = _score_operand(st_a.index(2 * st + part * Q4 // HALF)
+                               .slice(part * Q4 % HALF, Q4, dim=1), FP8, DOT)
+            s = warpgroup_mma(a, q_s.index(part * Q4 // HALF)
+                              .slice(part * Q4 % HALF, Q4, dim=1).permute((1, 0)), s,
+                              is_async=True)
+            warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+            prev = a
+        # every warp has read the stage (the values' warpgroup releases it too)
+        gl.thread_barrier()
+        mbarrier.arrive(kfree.index(st))
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, prev, q_s, qp_s))[0]
+        n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
+        if n_valid < BLOCK_N:
+            keys = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ACC))
+            s = gl.where((keys < n_valid)[:, None], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0) * qk)
+        p = gl.exp2(gl.fma(s, qk[None, :], -m_new[None, :]))
+        alpha = gl.exp2(m_i - m_new)
+        l_part = l_part * alpha[None, :] + p
+        m_i = m_new
+        mbarrier.wait(pfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
+        p_bufs.index(b).store(p.to(dtype))
+        a_bufs.index(b).store(alpha)
         fence_async_shared()
         gl.thread_barrier()
-        mbarrier.arrive(kfull.index(b))
+        mbarrier.arrive(pfull.index(b))
+
+    l_i = gl.sum(l_part, 0)
+    l_s.store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(lfull.index(0))
+    _store_lse(m_i, l_i, 0.0, LSE_PART, t, hb, sp, num_heads, stride_lt, stride_lh, single)
+
+
+@jit
+def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descriptor,
+              a_bufs: gl.shared_memory_descriptor, l_s: gl.shared_memory_descriptor,
+              kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+              pfull: gl.shared_memory_descriptor, pfree: gl.shared_memory_descriptor,
+              lfull: gl.shared_memory_descriptor, n_tiles: gl.tensor, n_last: gl.tensor,
+              oscale: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor, t: gl.tensor,
+              hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor,
+              stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor,
+              stride_ps: gl.tensor, single: gl.tensor, C: gl.tensor) -> None:
+    """The values' warpgroup of an fp8 cache: each tile's ``P^T`` applied to both
+    halves of the latent, ``TK`` keys an MMA whose A operand (the latent transposed) is
+    read from the ring's stage into registers and widened there; the stage released;
+    then the output, its rows put back in the latent's order. ``TK``: 32 at 16 heads,
+    16 at 32 (the accumulators take twice the registers); ``C``: the cache (its element
+    type, E4M3 or E5M2)."""
+    FP8: gl.constexpr = 1 if C.dtype.element_ty == gl.float8e4nv else 2
+    S: gl.constexpr = kfull.type.shape[0]
+    BLOCK_N: gl.constexpr = st_a.type.shape[1]
+    HALF: gl.constexpr = st_a.type.shape[2]
+    BLOCK_H: gl.constexpr = p_bufs.type.shape[2]
+    TK: gl.constexpr = 32 if BLOCK_H == 16 else 16
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    HEADS: gl.constexpr = gl.SliceLayout(0, ACC)
+    NP: gl.constexpr = BLOCK_N // TK
+
+    acc0 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
+    acc1 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
+    for k in range(n_tiles):
+        st = k % S
+        b = k % 2
+        mbarrier.wait(pfull.index(b), (k // 2) & 1)
+        mbarrier.wait(kfull.index(st), (k // S) & 1)
+        n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
+        alpha = a_bufs.index(b).load(HEADS)
+        acc0 = acc0 * alpha[None, :]
+        acc1 = acc1 * alpha[None, :]
+        prev = _value_operand(st_a.index(2 * st).slice(0, TK, dim=0), n_valid, 0, FP8, DOT)
+        acc0 = warpgroup_mma(prev, p_bufs.index(b).slice(0, TK, dim=0), acc0, is_async=True)
+        for part in gl.static_range(1, 2 * NP):
+            a = _value_operand(st_a.index(2 * st + part // NP)
+                               .slice((part % NP) * TK, TK, dim=0),
+                               n_valid, (part % NP) * TK, FP8, DOT)
+            pt = p_bufs.index(b).slice((part % NP) * TK, TK, dim=0)
+            if part // NP == 0:
+                acc0 = warpgroup_mma(a, pt, acc0, is_async=True)
+            else:
+                acc1 = warpgroup_mma(a, pt, acc1, is_async=True)
+            warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+            prev = a
+        # every warp has read the stage (the scoring warpgroup releases it too)
+        gl.thread_barrier()
+        mbarrier.arrive(kfree.index(st))
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, prev, p_bufs))[:2]
+        gl.thread_barrier()
+        mbarrier.arrive(pfree.index(b))
+
+    mbarrier.wait(lfull.index(0), 0)
+    l_i = l_s.load(HEADS)
+    SHAPE: gl.constexpr = value_order(HALF, BLOCK_H, True)[0]
+    ORDER: gl.constexpr = value_order(HALF, BLOCK_H, True)[1]
+    # the accumulators' rows back in the latent's order, transposed: [heads, L / 2]
+    # (which register holds which element changes, not what a register holds)
+    o0 = gl.reshape(gl.permute(gl.reshape(acc0, SHAPE), ORDER.value), [HALF, BLOCK_H])
+    o1 = gl.reshape(gl.permute(gl.reshape(acc1, SHAPE), ORDER.value), [HALF, BLOCK_H])
+    _store_half(gl.permute(o0, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
+                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0)
+    _store_half(gl.permute(o1, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
+                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 1)
 
 
 @jit
@@ -307,8 +477,6 @@ def mla_decode_few_heads_kernel(
     hb, sp, t, req, start, end, n_tiles, n_last = _program_keys(TOK_REQ, TOK_POS,
                                                                 num_splits, BLOCK_N)
 
-    # two buffers of a tile each: [buffer * 2 + half] latent halves, [buffer] rope
-    ka_bufs, kp_bufs = _tile_buffers(LAT_DESC, PE_DESC, dtype, BLOCK_N, HALF, ROPE, FP8)
     # two buffers of P^T and of the heads' rescale factors
     p_bufs = gl.allocate_shared_memory(
         dtype, [2, BLOCK_N, BLOCK_H],
@@ -316,14 +484,19 @@ def mla_decode_few_heads_kernel(
     a_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], F32_ROW)
     l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
     qk_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
-    kfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    kfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # a 16-bit cache: two tile buffers; an fp8 cache: a ring of S stages of its bytes
+    # (five at 16 heads, four at 32: the query and P take twice the shared memory)
+    S: gl.constexpr = 2 if FP8 == 0 else (5 if BLOCK_H == 16 else 4)
+    kfull = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    kfree = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     pfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     lfull = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(S):
         mbarrier.init(kfull.index(i), count=1)
-        mbarrier.init(kfree.index(i), count=1)  # the value MMAs, the tile's last readers
+        # the value MMAs are a tile buffer's last readers; both warpgroups read a stage
+        mbarrier.init(kfree.index(i), count=1 if FP8 == 0 else 2)
+    for i in gl.static_range(2):
         mbarrier.init(pfull.index(i), count=1)
         mbarrier.init(pfree.index(i), count=1)
     mbarrier.init(lfull.index(0), count=1)
@@ -331,47 +504,47 @@ def mla_decode_few_heads_kernel(
     # the query in halves of the latent and the rope part: the score MMAs' B operands
     # (K-major, as stored)
     q_s, qp_s = _query_buffers(dtype, BLOCK_H, HALF, ROPE)
-    # an fp8 cache: the query scaled into float16's top binades
+    # an fp8 cache: the query scaled into float16's top binades, its columns in the
+    # order in which the scoring warpgroup reads the stored bytes
     oscale = _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
                               stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s,
-                              14 if FP8 != 0 else 0, LOAD)
+                              14 if FP8 != 0 else 0, LOAD, FP8 != 0)
     # a partition's arguments are run-time values: the compile-time flag as a scalar
     single = (n_tiles * 0 + SINGLE) != 0
-
-    sargs = (q_s, qp_s, ka_bufs, kp_bufs, p_bufs, a_bufs, l_s, kfull, pfull, pfree, lfull,
-             n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads, stride_lt, stride_lh,
-             single)
-    vargs = (ka_bufs, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles,
-             oscale, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh, stride_pt,
-             stride_ph, stride_ps, single)
     page = n_tiles * 0 + PAGE
-    VREGS: gl.constexpr = VALUE_REGS if BLOCK_H == 16 else VALUE_REGS_32
+
     if FP8 == 0:
+        # two buffers of a tile each: [buffer * 2 + half] latent halves, [buffer] rope
+        ka_bufs, kp_bufs = _tile_buffers(LAT_DESC, PE_DESC, dtype, BLOCK_N, HALF, ROPE, FP8)
+        sargs = (q_s, qp_s, ka_bufs, kp_bufs, p_bufs, a_bufs, l_s, kfull, pfull, pfree,
+                 lfull, n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads, stride_lt,
+                 stride_lh, single)
+        vargs = (ka_bufs, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles,
+                 oscale, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
+                 stride_pt, stride_ph, stride_ps, single)
         largs = (LAT_DESC, PE_DESC, BT, req, start, n_tiles, stride_bt, page, ka_bufs,
                  kp_bufs, kfull, kfree)
         gl.warp_specialize([
             (_scores_n, sargs),
             (_values_n, vargs),
             (_load, largs),
-        ], [4, 1], [VREGS, LOAD_REGS])
+        ], [4, 1], [VALUE_REGS if BLOCK_H == 16 else VALUE_REGS_32, LOAD_REGS])
     else:
-        # the ring of the bytes: three stages of half a tile at 16 heads, two at 32 (the
-        # query and P take twice the shared memory)
-        # (a stage's rows are the descriptors' blocks: half a tile)
-        S: gl.constexpr = 3 if BLOCK_H == 16 else 2
-        HB: gl.constexpr = LAT_DESC.block_type.shape[0]
-        gl.static_assert(2 * HB == BLOCK_N, "the bytes' blocks are half a tile")
-        st_a = gl.allocate_shared_memory(LAT_DESC.block_type.element_ty, [2 * S, HB, HALF],
+        # the ring: [stage * 2 + half] latent halves, [stage] rope, as the copies land
+        st_a = gl.allocate_shared_memory(LAT_DESC.block_type.element_ty, [2 * S, BLOCK_N, HALF],
                                          LAT_DESC.layout)
-        st_p = gl.allocate_shared_memory(PE_DESC.block_type.element_ty, [S, HB, ROPE],
+        st_p = gl.allocate_shared_memory(PE_DESC.block_type.element_ty, [S, BLOCK_N, ROPE],
                                          PE_DESC.layout)
-        sfull = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(S):
-            mbarrier.init(sfull.index(i), count=1)
-        wargs = (LAT_DESC, PE_DESC, C, BT, req, start, n_tiles, stride_bt, page, st_a, st_p,
-                 sfull, ka_bufs, kp_bufs, kfull, kfree)
+        sargs = (q_s, qp_s, st_a, st_p, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree,
+                 lfull, n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads, stride_lt,
+                 stride_lh, single, C)
+        vargs = (st_a, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles,
+                 n_last, oscale, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
+                 stride_pt, stride_ph, stride_ps, single, C)
+        largs = (LAT_DESC, PE_DESC, BT, req, start, n_tiles, stride_bt, page, st_a, st_p,
+                 kfull, kfree)
         gl.warp_specialize([
-            (_scores_n, sargs),
-            (_values_n, vargs),
-            (_stage_widen, wargs),
-        ], [4, 4], [VREGS, WIDEN_REGS])
+            (_scores_r, sargs),
+            (_values_r, vargs),
+            (_load, largs),
+        ], [4, 1], [VALUE_REGS_FP8, LOAD_REGS])

@@ -74,18 +74,19 @@ def _load(LAT_DESC: tma.tensor_descriptor, PE_DESC: tma.tensor_descriptor, BT: g
           page: gl.tensor, ka_bufs: gl.shared_memory_descriptor,
           kp_bufs: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
           kfree: gl.shared_memory_descriptor) -> None:
-    """The loader warp: tile ``k`` into buffer ``k % 2`` (latent halves
-    ``ka_bufs[2 b]``, ``ka_bufs[2 b + 1]``, rope ``kp_bufs[b]``) once tile ``k - 2``
-    is done with; the block-table entry read before the wait."""
+    """The loader warp: tile ``k`` into buffer ``b = k % S`` of ``S`` (``kfull``'s
+    length; latent halves ``ka_bufs[2 b]``, ``ka_bufs[2 b + 1]``, rope ``kp_bufs[b]``)
+    once tile ``k - S`` is done with; the block-table entry read before the wait."""
     BLOCK_N: gl.constexpr = ka_bufs.type.shape[1]
     HALF: gl.constexpr = ka_bufs.type.shape[2]
+    S: gl.constexpr = kfull.type.shape[0]
     for k in range(n_tiles):
-        b = k % 2
+        b = k % S
         n0 = start + k * BLOCK_N
         blk = gl.load(BT + req * stride_bt + n0 // page)
         row = blk * page + n0 % page  # (a TMA coordinate: 32 bits)
         bar = kfull.index(b)
-        mbarrier.wait(kfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
+        mbarrier.wait(kfree.index(b), ((k // S) - 1) & 1, pred=k >= S)
         mbarrier.expect(bar, 2 * LAT_DESC.block_type.nbytes + PE_DESC.block_type.nbytes)
         tma.async_copy_global_to_shared(LAT_DESC, [row, 0], bar, ka_bufs.index(2 * b))
         tma.async_copy_global_to_shared(LAT_DESC, [row, HALF], bar, ka_bufs.index(2 * b + 1))
@@ -201,15 +202,19 @@ def _query_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tensor,
                      stride_et: gl.tensor, stride_eh: gl.tensor, sm_scale: gl.tensor,
                      K_SCALE: gl.tensor, q_s: gl.shared_memory_descriptor,
                      qp_s: gl.shared_memory_descriptor, qk_s: gl.shared_memory_descriptor,
-                     TOP: gl.constexpr, LOAD: gl.constexpr) -> gl.tensor:
+                     TOP: gl.constexpr, LOAD: gl.constexpr,
+                     PERMUTE: gl.constexpr = False) -> gl.tensor:
     """Token ``t``'s query of head tile ``hb`` into shared memory, the score MMAs' A
     operands (``q_s``: the latent in halves, ``qp_s``: the rope, in their dtype), and in
     ``qk_s`` what turns a head's raw scores into base-2 logits; visible to the MMAs
     after. ``TOP`` 0: the query as it is (a cache in the model's dtype). Else (a scaled
     fp8 cache) each head scaled by the power of two that puts its largest magnitude in
     ``[2**TOP, 2**(TOP + 1))`` (:func:`row_powers`; a pass over the query first) and
-    converted, that power and ``K_SCALE`` multiplying the scores. Returns what multiplies
-    the output: ``K_SCALE``'s value, or 1."""
+    converted, that power and ``K_SCALE`` multiplying the scores. ``PERMUTE``: the
+    columns of each 128 of the latent and of the rope in the order of
+    :func:`score_cols` (the few-heads kernel's fp8 operands, from
+    registers). Returns what multiplies the output:
+    ``K_SCALE``'s value, or 1."""
     BLOCK_H: gl.constexpr = q_s.type.shape[1]
     HALF: gl.constexpr = q_s.type.shape[2]
     ROPE: gl.constexpr = qp_s.type.shape[1]
@@ -220,6 +225,9 @@ def _query_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tensor,
     cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
     q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
     offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
+    if PERMUTE:
+        cols = score_cols(cols, CH)
+        offs_r = score_cols(offs_r, ROPE)
     qp_ptr = Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :]
     qk = gl.full([BLOCK_H], sm_scale * LOG2E, gl.float32, gl.SliceLayout(1, LOAD))
     oscale = sm_scale * 0.0 + 1.0
@@ -244,6 +252,17 @@ def _query_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tensor,
     fence_async_shared()
     gl.thread_barrier()
     return oscale
+
+
+@jit
+def score_cols(k: gl.tensor, W: gl.constexpr) -> gl.tensor:
+    """Which column of ``W`` (a power of two, at least 16) of the stored rows the
+    column ``k`` of a score MMA's operand is when a thread reads 16 (or ``W / 4``)
+    consecutive bytes of a row from shared memory into its A fragments. Of ``k``'s bits
+    (low to high) the MMA gives a thread ``e`` (the pair in a register), ``c`` (2 bits:
+    the thread of its quad) and ``h`` (the second register pair) and steps ``j``;
+    stored: ``e``, ``h``, ``j``, then ``c``."""
+    return ((k & 1) + 2 * ((k >> 3) & 1) + 4 * (k >> 4) + (W // 4) * ((k >> 1) & 3))
 
 
 @jit

@@ -588,12 +588,10 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                           if use_lead else (_gluon_kernel(), {"num_warps": 8}))
         if use_fp8_mma:  # its copies are of E4M3 bytes
             kernel = _fp8_mma_kernel()
-        if use_few:  # its copies of an fp8 cache's bytes are half a tile each
+        if use_few:
             kernel = _few_heads_kernel()
         lat_d, pe_d = _gluon_descriptors(kv_cache if use_fp8_mma else cache, L, R,
-                                         lat_width=L // 2 if use_lead else None,
-                                         block_rows=GLUON_TILE // 2 if use_few and fp8
-                                         else GLUON_TILE)
+                                         lat_width=L // 2 if use_lead else None)
         kernel[(head_tiles, splits, t)](
             q, qe, lat_d, pe_d, kv_cache if use_lead else cache, bt, req, pos,
             fmt.k_scale.to(device=q.device, dtype=torch.float32), out, o_part, lse_part,
