@@ -42,6 +42,7 @@ see them masked, and before it publishes ``P``.
 
 from __future__ import annotations
 
+from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -211,10 +212,9 @@ def _query_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tensor,
     fp8 cache) each head scaled by the power of two that puts its largest magnitude in
     ``[2**TOP, 2**(TOP + 1))`` (:func:`row_powers`; a pass over the query first) and
     converted, that power and ``K_SCALE`` multiplying the scores. ``PERMUTE``: the
-    columns of each 128 of the latent and of the rope in the order of
-    :func:`score_cols` (the few-heads kernel's fp8 operands, from
-    registers). Returns what multiplies the output:
-    ``K_SCALE``'s value, or 1."""
+    columns of each 128 of the latent and of the rope put in the order of
+    :func:`score_order` (the few-heads kernel reads an fp8 cache's bytes that way).
+    Returns what multiplies the output: ``K_SCALE``'s value, or 1."""
     BLOCK_H: gl.constexpr = q_s.type.shape[1]
     HALF: gl.constexpr = q_s.type.shape[2]
     ROPE: gl.constexpr = qp_s.type.shape[1]
@@ -225,9 +225,6 @@ def _query_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tensor,
     cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
     q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
     offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
-    if PERMUTE:
-        cols = score_cols(cols, CH)
-        offs_r = score_cols(offs_r, ROPE)
     qp_ptr = Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :]
     qk = gl.full([BLOCK_H], sm_scale * LOG2E, gl.float32, gl.SliceLayout(1, LOAD))
     oscale = sm_scale * 0.0 + 1.0
@@ -243,10 +240,14 @@ def _query_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tensor,
         x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
         if TOP != 0:
             x = (x.to(gl.float32) * down[:, None]).to(dtype)
+        if PERMUTE:
+            x = to_score_order(x)
         q_s.index(c * CH // HALF).slice(c * CH % HALF, CH, dim=1).store(x)
     x = gl.load(qp_ptr, mask=mask_h, other=0.0)
     if TOP != 0:
         x = (x.to(gl.float32) * down[:, None]).to(dtype)
+    if PERMUTE:
+        x = to_score_order(x)
     qp_s.store(x)
     qk_s.store(qk)
     fence_async_shared()
@@ -254,15 +255,41 @@ def _query_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tensor,
     return oscale
 
 
+@constexpr_function
+def log2_int(n: int) -> int:
+    return int(n).bit_length() - 1
+
+
+@constexpr_function
+def dims_order(src: list[str], dst: list[str]) -> list[int]:
+    """The dims' order that turns a tensor whose dims are ``src``'s bits (named, low to
+    high; one dim of 2 each, the highest first) into one whose dims are ``dst``'s."""
+    return [src[::-1].index(name) for name in dst[::-1]]
+
+
+@constexpr_function
+def score_order(ROWS: int, W: int) -> tuple[list[int], list[int]]:
+    """The shape and dims' order that turn ``[ROWS, W]`` (``W`` stored columns, a power
+    of two, at least 16) into the order in which the columns are a score MMA's K when a
+    thread reads 16 (or ``W / 4``) consecutive bytes of a row into its A fragments
+    (:func:`to_score_order`). Of the column's bits in the MMA (low to high) a thread's
+    fragment holds ``e`` (the pair in a register), the thread of its quad ``c`` (2
+    bits), ``h`` (the second register pair), and the steps ``j``; stored: ``e``, ``h``,
+    ``j``, then ``c``."""
+    j = [f"j{i}" for i in range(log2_int(W) - 4)]
+    stored, operand = ["e", "h", *j, "c0", "c1"], ["e", "c0", "c1", "h", *j]
+    return [ROWS] + [2] * len(stored), [0] + [1 + i for i in dims_order(stored, operand)]
+
+
 @jit
-def score_cols(k: gl.tensor, W: gl.constexpr) -> gl.tensor:
-    """Which column of ``W`` (a power of two, at least 16) of the stored rows the
-    column ``k`` of a score MMA's operand is when a thread reads 16 (or ``W / 4``)
-    consecutive bytes of a row from shared memory into its A fragments. Of ``k``'s bits
-    (low to high) the MMA gives a thread ``e`` (the pair in a register), ``c`` (2 bits:
-    the thread of its quad) and ``h`` (the second register pair) and steps ``j``;
-    stored: ``e``, ``h``, ``j``, then ``c``."""
-    return ((k & 1) + 2 * ((k >> 3) & 1) + 4 * (k >> 4) + (W // 4) * ((k >> 1) & 3))
+def to_score_order(x: gl.tensor) -> gl.tensor:
+    """``x`` (``[rows, W]``) with its columns in the order of :func:`score_order` (in
+    registers: which register holds which element changes, not what it holds)."""
+    ROWS: gl.constexpr = x.type.shape[0]
+    W: gl.constexpr = x.type.shape[1]
+    SHAPE: gl.constexpr = score_order(ROWS, W)[0]
+    ORDER: gl.constexpr = score_order(ROWS, W)[1]
+    return gl.reshape(gl.permute(gl.reshape(x, SHAPE), ORDER.value), [ROWS, W])
 
 
 @jit
