@@ -79,7 +79,8 @@ two A operands of ``TK`` keys each in registers: one in flight, one read)."""
 def score_layout(W: Any) -> gl.DistributedLinearLayout:
     """How the scoring warpgroup reads ``[64, W]`` stored bytes (keys, columns): a
     thread 16 consecutive bytes (or ``W / 4``) of two rows, the keys of its A fragments
-    (``W / 4 * 2`` bytes a thread)."""
+    (``W / 4 * 2`` bytes a thread); :func:`to_score_order` then puts the columns in the
+    MMA's order."""
     regs = [[0, 1], [0, 2], *[[0, 4 << i] for i in range(log2_int(W) - 4)], [8, 0]]
     lanes = [[0, W // 4], [0, W // 2], [1, 0], [2, 0], [4, 0]]
     return gl.DistributedLinearLayout(regs, lanes, [[16, 0], [32, 0]], [], [64, W])
@@ -117,26 +118,29 @@ def value_order(HALF: Any, N: Any, back: Any) -> tuple[list[int], list[int]]:
 
 
 @jit
-def _score_operand(x: gl.tensor, FP8: gl.constexpr, DOT: gl.constexpr) -> gl.tensor:
-    """A score MMA's A operand from a tile's stored bytes ``x`` (``[64, W]``, read in
-    :func:`score_layout`): put in the operand's order of columns and widened exactly to
-    float16, in registers."""
-    return widen_fp8(gl.convert_layout(to_score_order(x), DOT), FP8)
+def _score_operand(raw: gl.shared_memory_descriptor, FP8: gl.constexpr,
+                   DOT: gl.constexpr) -> gl.tensor:
+    """A score MMA's A operand from a tile's stored bytes ``raw`` (``[64, W]``): read 16
+    bytes a thread, put in the operand's order of columns and widened exactly to
+    float16 in registers."""
+    x = to_score_order(raw.load(score_layout(raw.type.shape[1])))
+    return widen_fp8(gl.convert_layout(x, DOT), FP8)
 
 
 @jit
-def _value_operand(x: gl.tensor, n_valid: gl.tensor, k0: gl.tensor, FP8: gl.constexpr,
-                   DOT: gl.constexpr) -> gl.tensor:
+def _value_operand(raw: gl.shared_memory_descriptor, n_valid: gl.tensor, k0: gl.tensor,
+                   FP8: gl.constexpr, DOT: gl.constexpr) -> gl.tensor:
     """A value MMA's A operand (``[HALF, TK]``: the tile's latent transposed) from the
-    stored bytes ``x`` (``[TK, HALF]``, keys ``k0 ..`` of the tile, read in
-    :func:`value_layout`) in the operand's order of rows, widened exactly to float16 in
-    registers; keys at or past ``n_valid`` as zeros (their bytes may be anything, NaN
-    too, and a zero probability times NaN is NaN)."""
-    TK: gl.constexpr = x.type.shape[0]
-    HALF: gl.constexpr = x.type.shape[1]
-    LAYOUT: gl.constexpr = x.type.layout
+    stored bytes ``raw`` (``[TK, HALF]``, keys ``k0 ..`` of the tile) in the operand's
+    order of rows, widened exactly to float16 in registers; keys at or past ``n_valid``
+    as zeros (their bytes may be anything, NaN too, and a zero probability times NaN
+    is NaN)."""
+    TK: gl.constexpr = raw.type.shape[0]
+    HALF: gl.constexpr = raw.type.shape[1]
+    LAYOUT: gl.constexpr = value_layout(TK, HALF)
     SHAPE: gl.constexpr = value_order(HALF, TK, False)[0]
     ORDER: gl.constexpr = value_order(HALF, TK, False)[1]
+    x = raw.load(LAYOUT)
     if n_valid < k0 + TK:
         keys = k0 + gl.arange(0, TK, gl.SliceLayout(1, LAYOUT))
         x = gl.where((keys < n_valid)[:, None], x, gl.zeros_like(x))
@@ -154,16 +158,11 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
               n_tiles: gl.tensor, n_last: gl.tensor, qk_s: gl.shared_memory_descriptor,
               LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor, sp: gl.tensor,
               num_heads: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
-              single: gl.tensor, C: gl.tensor, Q: gl.tensor, Q_PE: gl.tensor,
-              stride_qt: gl.tensor, stride_qh: gl.tensor, stride_et: gl.tensor,
-              stride_eh: gl.tensor, sm_scale: gl.tensor, K_SCALE: gl.tensor) -> None:
-    """The scoring warpgroup of an fp8 cache: first the query into shared memory (its
-    columns in the order in which this warpgroup reads the bytes, scaled into
-    float16's top binades: :func:`_query_to_shared`; the loader's first copies are on
-    their way meanwhile), then tile ``k``'s bytes read from stage ``k % S`` of the ring
-    into the A fragments of its score MMAs (widened in registers), the stage released,
-    and the softmax of :func:`_scores_n`. ``C``: the cache (its element type, E4M3 or
-    E5M2)."""
+              single: gl.tensor, C: gl.tensor) -> None:
+    """The scoring warpgroup of an fp8 cache: tile ``k``'s bytes read from stage
+    ``k % S`` of the ring into the A fragments of its score MMAs (widened in registers;
+    the query's columns stored in the same order), the stage released, then the
+    softmax of :func:`_scores_n`. ``C``: the cache (its element type, E4M3 or E5M2)."""
     FP8: gl.constexpr = 1 if C.dtype.element_ty == gl.float8e4nv else 2
     S: gl.constexpr = kfull.type.shape[0]
     BLOCK_N: gl.constexpr = st_a.type.shape[1]
@@ -171,16 +170,11 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
     BLOCK_H: gl.constexpr = q_s.type.shape[1]
     dtype: gl.constexpr = q_s.dtype
     Q4: gl.constexpr = 128  # the latent's columns an MMA
-    NPART: gl.constexpr = 2 * HALF // Q4
-    ROPE: gl.constexpr = st_p.type.shape[2]
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     HEADS: gl.constexpr = gl.SliceLayout(0, ACC)
 
-    _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et, stride_eh,
-                     sm_scale, K_SCALE, q_s, qp_s, qk_s, 14,
-                     gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]), True)
     l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, ACC)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, HEADS)
     qk = qk_s.load(HEADS)  # what turns a head's raw scores into base-2 logits (> 0)
@@ -188,27 +182,23 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
         st = k % S
         b = k % 2
         mbarrier.wait(kfull.index(st), (k // S) & 1)
-        # the tile's bytes into registers at once (one wait for the reads), the stage
-        # released (the values' warpgroup releases it too)
-        raw = (st_p.index(st).load(score_layout(ROPE)),)
-        for part in gl.static_range(NPART):
-            raw = raw + (st_a.index(2 * st + part * Q4 // HALF)
-                         .slice(part * Q4 % HALF, Q4, dim=1).load(score_layout(Q4)),)
-        gl.thread_barrier()
-        mbarrier.arrive(kfree.index(st))
         # an operand's registers stay untouched until its MMA is done: one in flight
-        # while the next is widened
-        prev = _score_operand(raw[0], FP8, DOT)
+        # while the next is read
+        prev = _score_operand(st_p.index(st), FP8, DOT)
         s = warpgroup_mma(prev, qp_s.permute((1, 0)),
                           gl.zeros([BLOCK_N, BLOCK_H], gl.float32, ACC),
                           use_acc=False, is_async=True)
-        for part in gl.static_range(NPART):
-            a = _score_operand(raw[1 + part], FP8, DOT)
+        for part in gl.static_range(2 * HALF // Q4):
+            a = _score_operand(st_a.index(2 * st + part * Q4 // HALF)
+                               .slice(part * Q4 % HALF, Q4, dim=1), FP8, DOT)
             s = warpgroup_mma(a, q_s.index(part * Q4 // HALF)
                               .slice(part * Q4 % HALF, Q4, dim=1).permute((1, 0)), s,
                               is_async=True)
             warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
             prev = a
+        # every warp has read the stage (the values' warpgroup releases it too)
+        gl.thread_barrier()
+        mbarrier.arrive(kfree.index(st))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, prev, q_s, qp_s))[0]
         n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
         if n_valid < BLOCK_N:
@@ -239,7 +229,7 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
               kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
               pfull: gl.shared_memory_descriptor, pfree: gl.shared_memory_descriptor,
               lfull: gl.shared_memory_descriptor, n_tiles: gl.tensor, n_last: gl.tensor,
-              K_SCALE: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor, t: gl.tensor,
+              oscale: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor, t: gl.tensor,
               hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor,
               stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor,
               stride_ps: gl.tensor, single: gl.tensor, C: gl.tensor) -> None:
@@ -260,10 +250,7 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     HEADS: gl.constexpr = gl.SliceLayout(0, ACC)
     NP: gl.constexpr = BLOCK_N // TK
-    LAYOUT: gl.constexpr = value_layout(TK, HALF)
-    AT_ONCE: gl.constexpr = BLOCK_H == 16
 
-    oscale = gl.load(K_SCALE)
     acc0 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
     acc1 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
     for k in range(n_tiles):
@@ -275,25 +262,12 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
         alpha = a_bufs.index(b).load(HEADS)
         acc0 = acc0 * alpha[None, :]
         acc1 = acc1 * alpha[None, :]
-        # at 16 heads the tile's latent into registers at once and the stage released
-        # (the scoring warpgroup releases it too); at 32 (the accumulators take twice
-        # the registers) a part at a time
-        raw = (st_a.index(2 * st).slice(0, TK, dim=0).load(LAYOUT),)
-        if AT_ONCE:
-            for part in gl.static_range(1, 2 * NP):
-                raw = raw + (st_a.index(2 * st + part // NP)
-                             .slice((part % NP) * TK, TK, dim=0).load(LAYOUT),)
-            gl.thread_barrier()
-            mbarrier.arrive(kfree.index(st))
-        prev = _value_operand(raw[0], n_valid, 0, FP8, DOT)
+        prev = _value_operand(st_a.index(2 * st).slice(0, TK, dim=0), n_valid, 0, FP8, DOT)
         acc0 = warpgroup_mma(prev, p_bufs.index(b).slice(0, TK, dim=0), acc0, is_async=True)
         for part in gl.static_range(1, 2 * NP):
-            if AT_ONCE:
-                x = raw[part]
-            else:
-                x = st_a.index(2 * st + part // NP).slice((part % NP) * TK, TK,
-                                                          dim=0).load(LAYOUT)
-            a = _value_operand(x, n_valid, (part % NP) * TK, FP8, DOT)
+            a = _value_operand(st_a.index(2 * st + part // NP)
+                               .slice((part % NP) * TK, TK, dim=0),
+                               n_valid, (part % NP) * TK, FP8, DOT)
             pt = p_bufs.index(b).slice((part % NP) * TK, TK, dim=0)
             if part // NP == 0:
                 acc0 = warpgroup_mma(a, pt, acc0, is_async=True)
@@ -301,9 +275,9 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
                 acc1 = warpgroup_mma(a, pt, acc1, is_async=True)
             warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
             prev = a
-        if not AT_ONCE:
-            gl.thread_barrier()
-            mbarrier.arrive(kfree.index(st))
+        # every warp has read the stage (the scoring warpgroup releases it too)
+        gl.thread_barrier()
+        mbarrier.arrive(kfree.index(st))
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, prev, p_bufs))[:2]
         gl.thread_barrier()
         mbarrier.arrive(pfree.index(b))
@@ -503,13 +477,16 @@ def mla_decode_few_heads_kernel(
     # the query in halves of the latent and the rope part: the score MMAs' B operands
     # (K-major, as stored)
     q_s, qp_s = _query_buffers(dtype, BLOCK_H, HALF, ROPE)
+    # an fp8 cache: the query scaled into float16's top binades, its columns in the
+    # order in which the scoring warpgroup reads the stored bytes
+    oscale = _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
+                              stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s,
+                              14 if FP8 != 0 else 0, LOAD, FP8 != 0)
     # a partition's arguments are run-time values: the compile-time flag as a scalar
     single = (n_tiles * 0 + SINGLE) != 0
     page = n_tiles * 0 + PAGE
 
     if FP8 == 0:
-        oscale = _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
-                                  stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s, 0, LOAD)
         # two buffers of a tile each: [buffer * 2 + half] latent halves, [buffer] rope
         ka_bufs, kp_bufs = _tile_buffers(LAT_DESC, PE_DESC, dtype, BLOCK_N, HALF, ROPE, FP8)
         sargs = (q_s, qp_s, ka_bufs, kp_bufs, p_bufs, a_bufs, l_s, kfull, pfull, pfree,
@@ -533,10 +510,9 @@ def mla_decode_few_heads_kernel(
                                          PE_DESC.layout)
         sargs = (q_s, qp_s, st_a, st_p, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree,
                  lfull, n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads, stride_lt,
-                 stride_lh, single, C, Q, Q_PE, stride_qt, stride_qh, stride_et, stride_eh,
-                 sm_scale, K_SCALE)
+                 stride_lh, single, C)
         vargs = (st_a, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles,
-                 n_last, K_SCALE, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
+                 n_last, oscale, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
                  stride_pt, stride_ph, stride_ps, single, C)
         largs = (LAT_DESC, PE_DESC, BT, req, start, n_tiles, stride_bt, page, st_a, st_p,
                  kfull, kfree)
