@@ -330,10 +330,10 @@ def takes_gluon(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tens
             and not gluon_unsupported_reasons(q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu))
 
 
-def _gluon_descriptors(cache: torch.Tensor, L: int, R: int, lat_width: int | None = None,
-                       block_rows: int = GLUON_TILE) -> tuple[Any, Any]:
-    """Gluon TMA descriptors of the latent ``[block_rows, lat_width]`` (default ``L``)
-    and rope ``[block_rows, R]`` blocks of the cache seen as ``[nb * bs, L + R]``
+def _gluon_descriptors(cache: torch.Tensor, L: int, R: int,
+                       lat_width: int | None = None) -> tuple[Any, Any]:
+    """Gluon TMA descriptors of the latent ``[GLUON_TILE, lat_width]`` (default ``L``)
+    and rope ``[GLUON_TILE, R]`` blocks of the cache seen as ``[nb * bs, L + R]``
     (16-bit, or fp8 as bytes or E4M3; :func:`gluon_unsupported_reasons` checked that it
     can be)."""
     from triton.experimental.gluon import language as gl
@@ -346,7 +346,7 @@ def _gluon_descriptors(cache: torch.Tensor, L: int, R: int, lat_width: int | Non
     shape, strides = list(rows.shape), list(rows.stride())
 
     def desc(width: int) -> Any:
-        block = [block_rows, width]
+        block = [GLUON_TILE, width]
         return TensorDescriptor(rows, shape, strides, block,
                                 gl.NVMMASharedLayout.get_default_for(block, dtype))
 
