@@ -51,6 +51,9 @@ from vllm.attention.ops.triton_mla_decode_kernels import query_as_fp16, split_ra
 
 jit: Callable[[Callable[..., Any]], Any] = gluon.jit
 """``gluon.jit`` with a type, so mypy accepts the decorated kernels (as ``Any``)."""
+constexpr_function: Callable[[Callable[..., Any]], Any] = gluon.constexpr_function
+"""``gluon.constexpr_function`` (a Python function a kernel calls at compile time on
+constants) with a type, as :data:`jit`."""
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 

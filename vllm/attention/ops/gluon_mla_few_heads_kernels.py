@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -48,7 +47,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from vllm.attention.ops.gluon_mla_decode_kernels import _program_keys, jit, widen_fp8
+from vllm.attention.ops.gluon_mla_decode_kernels import (
+    _program_keys,
+    constexpr_function,
+    jit,
+    widen_fp8,
+)
 from vllm.attention.ops.gluon_mla_lead_kernels import (
     _load,
     _query_buffers,
@@ -508,16 +512,16 @@ def mla_decode_few_heads_kernel(
                                          LAT_DESC.layout)
         st_p = gl.allocate_shared_memory(PE_DESC.block_type.element_ty, [S, BLOCK_N, ROPE],
                                          PE_DESC.layout)
-        sargs = (q_s, qp_s, st_a, st_p, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree,
-                 lfull, n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads, stride_lt,
-                 stride_lh, single, C)
-        vargs = (st_a, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles,
-                 n_last, oscale, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
-                 stride_pt, stride_ph, stride_ps, single, C)
-        largs = (LAT_DESC, PE_DESC, BT, req, start, n_tiles, stride_bt, page, st_a, st_p,
-                 kfull, kfree)
+        rsargs = (q_s, qp_s, st_a, st_p, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree,
+                  lfull, n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads,
+                  stride_lt, stride_lh, single, C)
+        rvargs = (st_a, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles,
+                  n_last, oscale, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
+                  stride_pt, stride_ph, stride_ps, single, C)
+        rlargs = (LAT_DESC, PE_DESC, BT, req, start, n_tiles, stride_bt, page, st_a, st_p,
+                  kfull, kfree)
         gl.warp_specialize([
-            (_scores_r, sargs),
-            (_values_r, vargs),
-            (_load, largs),
+            (_scores_r, rsargs),
+            (_values_r, rvargs),
+            (_load, rlargs),
         ], [4, 1], [VALUE_REGS_FP8, LOAD_REGS])

@@ -42,7 +42,6 @@ see them masked, and before it publishes ``P``.
 
 from __future__ import annotations
 
-from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -55,6 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from vllm.attention.ops.gluon_mla_decode_kernels import (
     LOG2E,
     _program_keys,
+    constexpr_function,
     jit,
     widen_fp8,
 )
