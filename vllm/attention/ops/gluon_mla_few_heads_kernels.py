@@ -27,11 +27,31 @@ Partitions (mbarriers in brackets):
   (a slot past the end may hold NaN, and a zero probability times NaN is NaN);
 * the values' warpgroup (:func:`_values_n`): both value MMAs of each tile, then the
   output; its arrivals free ``P^T``'s buffer and the tile's (``kfree``);
-* the producer: the lead kernel's loader warp for a 16-bit cache (TMA into the two tile
-  buffers), or for an fp8 cache a widening warpgroup (:func:`_stage_widen`: the bytes by
-  TMA half a tile at a time into a ring, widened exactly to float16 from there; the dots
-  run in float16 on the stored values, the query scaled into float16 a head at a time,
-  as in the lead kernel).
+* the producer: the lead kernel's loader warp (TMA into the two tile buffers of a
+  16-bit cache, or into the ring of an fp8 cache).
+
+An fp8 cache (E4M3 or E5M2) is not widened into a copy in shared memory. Its bytes land
+by TMA in a ring of 5 stages (4 at 32 heads: the query and ``P^T`` take twice the
+shared memory), and both warpgroups read them from there into the A fragments of their
+MMAs, which take an operand from registers, widening them exactly to float16 on the way
+(:func:`_scores_r`, :func:`_values_r`; a stage is free once both have read it). The
+dots run in float16 on the stored values; the query is scaled into float16 a head at a
+time, as in the lead kernel. An MMA fixes which elements of its operand a thread holds,
+but not which stored column is which of its K or M:
+
+* a score operand's K is the latent (and rope) column: a thread reads 16 consecutive
+  bytes of each of its two rows (one 16-byte load each, conflict-free under the
+  copies' 128-byte swizzle) and the query's columns are stored in the same order
+  (:func:`~vllm.attention.ops.gluon_mla_lead_kernels.score_order`);
+* a value operand's M is the latent column: a thread reads the 8 consecutive bytes of
+  each of its keys that are its 8 rows of the accumulators (:func:`value_layout`), and
+  the accumulators' rows are put back in the latent's order before the output is
+  stored (:func:`value_order`); a register's two keys are paired by byte permutes.
+
+Both reorderings are reshapes and permutes of tensors in registers: which register
+holds which element changes, nothing moves. Against the widening warpgroup this kernel
+had before (a float16 copy of every tile, its fence and its barriers), the E4M3 decode
+at 16 heads, batch 64 and 4096 keys went from 73.4 to 62.8-64.9 us on an H200.
 """
 
 from __future__ import annotations
@@ -72,8 +92,7 @@ VALUE_REGS: gl.constexpr = gl.constexpr(152)
 """Registers a thread of the values' warpgroup at 16 heads (its two ``[L / 2, heads]``
 float32 accumulators take 64)."""
 VALUE_REGS_32: gl.constexpr = gl.constexpr(192)
-"""The same at 32 heads (the accumulators take 128; with the launch's 168 and the
-widening warpgroup's 152 that is all of an SM's 64 K registers)."""
+"""The same at 32 heads (the accumulators take 128)."""
 VALUE_REGS_FP8: gl.constexpr = gl.constexpr(232)
 """Registers a thread of the values' warpgroup with an fp8 cache (its accumulators, and
 two A operands of ``TK`` keys each in registers: one in flight, one read)."""
@@ -437,10 +456,9 @@ def mla_decode_few_heads_kernel(
     """One (head tile, split, token) program; grid ``(head tiles, splits, tokens)``;
     the arguments of :func:`~vllm.attention.ops.gluon_mla_lead_kernels.mla_decode_lead_kernel`,
     with ``BLOCK_H`` 16 or 32 heads a program. ``LAT_DESC`` / ``PE_DESC``: ``[64, L /
-    2]`` and ``[64, R]`` blocks of a 16-bit cache, or of an fp8 cache's bytes
-    ``[32, L / 2]`` and ``[32, R]`` (half a tile: the ring's stages). ``num_warps`` 4:
-    the scoring warpgroup; the values' warpgroup and the loader warp or the widening
-    warpgroup (``FP8`` 1: E4M3, 2: E5M2) are partitions of their own."""
+    2]`` and ``[64, R]`` blocks of a 16-bit cache, or of an fp8 cache's bytes (``FP8``
+    1: E4M3, 2: E5M2). ``num_warps`` 4: the scoring warpgroup; the values' warpgroup and
+    the loader warp are partitions of their own."""
     gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
     gl.static_assert(PAGE % BLOCK_N == 0, "a tile inside one page")
     gl.static_assert(BLOCK_N == 64, "the keys are the M of a warpgroup MMA")
