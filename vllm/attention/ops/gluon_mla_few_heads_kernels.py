@@ -93,7 +93,7 @@ VALUE_REGS: gl.constexpr = gl.constexpr(152)
 float32 accumulators take 64)."""
 VALUE_REGS_32: gl.constexpr = gl.constexpr(192)
 """The same at 32 heads (the accumulators take 128)."""
-VALUE_REGS_FP8: gl.constexpr = gl.constexpr(232)
+VALUE_REGS_FP8: gl.constexpr = gl.constexpr(240)
 """Registers a thread of the values' warpgroup with an fp8 cache (its accumulators, and
 two A operands of ``TK`` keys each in registers: one in flight, one read)."""
 
@@ -172,6 +172,83 @@ def _value_operand(raw: gl.shared_memory_descriptor, n_valid: gl.tensor, k0: gl.
 
 
 @jit
+def _tile_scores(st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
+                 kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+                 q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
+                 k: gl.tensor, n_tiles: gl.tensor, n_last: gl.tensor, FP8: gl.constexpr,
+                 DOT: gl.constexpr) -> gl.tensor:
+    """Tile ``k``'s scores ``S^T`` once its stage has landed, each part's bytes read
+    into the A fragments just before its MMA and widened there, the stage released
+    after (the values' warpgroup releases it too); the rows past a split's end masked."""
+    S: gl.constexpr = kfull.type.shape[0]
+    BLOCK_N: gl.constexpr = st_a.type.shape[1]
+    HALF: gl.constexpr = st_a.type.shape[2]
+    BLOCK_H: gl.constexpr = q_s.type.shape[1]
+    Q4: gl.constexpr = 128  # the latent's columns an MMA
+    ACC: gl.constexpr = DOT.parent
+    st = k % S
+    mbarrier.wait(kfull.index(st), (k // S) & 1)
+    # an operand's registers stay untouched until its MMA is done: one in flight while
+    # the next is read
+    prev = _score_operand(st_p.index(st), FP8, DOT)
+    s = warpgroup_mma(prev, qp_s.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_H], gl.float32, ACC),
+                      use_acc=False, is_async=True)
+    for part in gl.static_range(2 * HALF // Q4):
+        a = _score_operand(st_a.index(2 * st + part * Q4 // HALF)
+                           .slice(part * Q4 % HALF, Q4, dim=1), FP8, DOT)
+        s = warpgroup_mma(a, q_s.index(part * Q4 // HALF)
+                          .slice(part * Q4 % HALF, Q4, dim=1).permute((1, 0)), s,
+                          is_async=True)
+        warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+        prev = a
+    # every warp has read the stage
+    gl.thread_barrier()
+    mbarrier.arrive(kfree.index(st))
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, prev, q_s, qp_s))[0]
+    n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
+    if n_valid < BLOCK_N:
+        keys = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ACC))
+        s = gl.where((keys < n_valid)[:, None], s, float("-inf"))
+    return s
+
+
+@jit
+def _tile_values(st_a: gl.shared_memory_descriptor, pt: gl.shared_memory_descriptor,
+                 kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+                 k: gl.tensor, n_tiles: gl.tensor, n_last: gl.tensor, acc0: gl.tensor,
+                 acc1: gl.tensor, FP8: gl.constexpr, DOT: gl.constexpr) -> gl.tensor:
+    """Tile ``k``'s ``P^T`` (``pt``) applied to both halves of the latent: ``TK`` keys
+    an MMA (32 at 16 heads, 16 at 32: the accumulators take twice the registers), its A
+    operand (the latent transposed) read from the stage into registers just before and
+    widened there; the stage released after."""
+    S: gl.constexpr = kfull.type.shape[0]
+    BLOCK_N: gl.constexpr = st_a.type.shape[1]
+    BLOCK_H: gl.constexpr = pt.type.shape[1]
+    TK: gl.constexpr = 32 if BLOCK_H == 16 else 16
+    NP: gl.constexpr = BLOCK_N // TK
+    st = k % S
+    mbarrier.wait(kfull.index(st), (k // S) & 1)
+    n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
+    prev = _value_operand(st_a.index(2 * st).slice(0, TK, dim=0), n_valid, 0, FP8, DOT)
+    acc0 = warpgroup_mma(prev, pt.slice(0, TK, dim=0), acc0, is_async=True)
+    for part in gl.static_range(1, 2 * NP):
+        a = _value_operand(st_a.index(2 * st + part // NP).slice((part % NP) * TK, TK, dim=0),
+                           n_valid, (part % NP) * TK, FP8, DOT)
+        p_part = pt.slice((part % NP) * TK, TK, dim=0)
+        if part // NP == 0:
+            acc0 = warpgroup_mma(a, p_part, acc0, is_async=True)
+        else:
+            acc1 = warpgroup_mma(a, p_part, acc1, is_async=True)
+        warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+        prev = a
+    # every warp has read the stage (the scoring warpgroup releases it too)
+    gl.thread_barrier()
+    mbarrier.arrive(kfree.index(st))
+    acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, prev, pt))[:2]
+    return acc0, acc1
+
+
+@jit
 def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
               st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
               p_bufs: gl.shared_memory_descriptor, a_bufs: gl.shared_memory_descriptor,
@@ -187,12 +264,9 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
     the query's columns stored in the same order), the stage released, then the
     softmax of :func:`_scores_n`. ``C``: the cache (its element type, E4M3 or E5M2)."""
     FP8: gl.constexpr = 1 if C.dtype.element_ty == gl.float8e4nv else 2
-    S: gl.constexpr = kfull.type.shape[0]
     BLOCK_N: gl.constexpr = st_a.type.shape[1]
-    HALF: gl.constexpr = st_a.type.shape[2]
     BLOCK_H: gl.constexpr = q_s.type.shape[1]
     dtype: gl.constexpr = q_s.dtype
-    Q4: gl.constexpr = 128  # the latent's columns an MMA
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -201,39 +275,25 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
     l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, ACC)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, HEADS)
     qk = qk_s.load(HEADS)  # what turns a head's raw scores into base-2 logits (> 0)
-    for k in range(n_tiles):
-        st = k % S
-        b = k % 2
-        mbarrier.wait(kfull.index(st), (k // S) & 1)
-        # an operand's registers stay untouched until its MMA is done: one in flight
-        # while the next is read
-        prev = _score_operand(st_p.index(st), FP8, DOT)
-        s = warpgroup_mma(prev, qp_s.permute((1, 0)),
-                          gl.zeros([BLOCK_N, BLOCK_H], gl.float32, ACC),
-                          use_acc=False, is_async=True)
-        for part in gl.static_range(2 * HALF // Q4):
-            a = _score_operand(st_a.index(2 * st + part * Q4 // HALF)
-                               .slice(part * Q4 % HALF, Q4, dim=1), FP8, DOT)
-            s = warpgroup_mma(a, q_s.index(part * Q4 // HALF)
-                              .slice(part * Q4 % HALF, Q4, dim=1).permute((1, 0)), s,
-                              is_async=True)
-            warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
-            prev = a
-        # every warp has read the stage (the values' warpgroup releases it too)
-        gl.thread_barrier()
-        mbarrier.arrive(kfree.index(st))
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, prev, q_s, qp_s))[0]
-        n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
-        if n_valid < BLOCK_N:
-            keys = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ACC))
-            s = gl.where((keys < n_valid)[:, None], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0) * qk)
-        p = gl.exp2(gl.fma(s, qk[None, :], -m_new[None, :]))
+    # two tiles a step: one maximum across the warps and one publication for both
+    for j in range(gl.cdiv(n_tiles, 2)):
+        b = j % 2
+        s0 = _tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, 2 * j, n_tiles, n_last, FP8,
+                          DOT)
+        s1 = gl.full([BLOCK_N, BLOCK_H], float("-inf"), gl.float32, ACC)
+        if 2 * j + 1 < n_tiles:
+            s1 = _tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, 2 * j + 1, n_tiles, n_last,
+                              FP8, DOT)
+        # (the first tile has a key: m_new is finite; a missing second one's P is 0)
+        m_new = gl.maximum(m_i, gl.max(gl.maximum(s0, s1), 0) * qk)
+        p0 = gl.exp2(gl.fma(s0, qk[None, :], -m_new[None, :]))
+        p1 = gl.exp2(gl.fma(s1, qk[None, :], -m_new[None, :]))
         alpha = gl.exp2(m_i - m_new)
-        l_part = l_part * alpha[None, :] + p
+        l_part = l_part * alpha[None, :] + p0 + p1
         m_i = m_new
-        mbarrier.wait(pfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
-        p_bufs.index(b).store(p.to(dtype))
+        mbarrier.wait(pfree.index(b), ((j // 2) - 1) & 1, pred=j >= 2)
+        p_bufs.index(2 * b).store(p0.to(dtype))
+        p_bufs.index(2 * b + 1).store(p1.to(dtype))
         a_bufs.index(b).store(alpha)
         fence_async_shared()
         gl.thread_barrier()
@@ -263,47 +323,31 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
     16 at 32 (the accumulators take twice the registers); ``C``: the cache (its element
     type, E4M3 or E5M2)."""
     FP8: gl.constexpr = 1 if C.dtype.element_ty == gl.float8e4nv else 2
-    S: gl.constexpr = kfull.type.shape[0]
-    BLOCK_N: gl.constexpr = st_a.type.shape[1]
     HALF: gl.constexpr = st_a.type.shape[2]
     BLOCK_H: gl.constexpr = p_bufs.type.shape[2]
-    TK: gl.constexpr = 32 if BLOCK_H == 16 else 16
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     HEADS: gl.constexpr = gl.SliceLayout(0, ACC)
-    NP: gl.constexpr = BLOCK_N // TK
 
     acc0 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
     acc1 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
     for k in range(n_tiles):
-        st = k % S
-        b = k % 2
-        mbarrier.wait(pfull.index(b), (k // 2) & 1)
-        mbarrier.wait(kfull.index(st), (k // S) & 1)
-        n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
-        alpha = a_bufs.index(b).load(HEADS)
+        # the scoring warpgroup's step j: tiles 2 j and 2 j + 1, P^T in buffers 2 b and
+        # 2 b + 1, one rescale factor (applied before the first)
+        j = k // 2
+        b = j % 2
+        if k % 2 == 0:
+            mbarrier.wait(pfull.index(b), (j // 2) & 1)
+        alpha = gl.where(k % 2 == 0, a_bufs.index(b).load(HEADS), 1.0)
         acc0 = acc0 * alpha[None, :]
         acc1 = acc1 * alpha[None, :]
-        prev = _value_operand(st_a.index(2 * st).slice(0, TK, dim=0), n_valid, 0, FP8, DOT)
-        acc0 = warpgroup_mma(prev, p_bufs.index(b).slice(0, TK, dim=0), acc0, is_async=True)
-        for part in gl.static_range(1, 2 * NP):
-            a = _value_operand(st_a.index(2 * st + part // NP)
-                               .slice((part % NP) * TK, TK, dim=0),
-                               n_valid, (part % NP) * TK, FP8, DOT)
-            pt = p_bufs.index(b).slice((part % NP) * TK, TK, dim=0)
-            if part // NP == 0:
-                acc0 = warpgroup_mma(a, pt, acc0, is_async=True)
-            else:
-                acc1 = warpgroup_mma(a, pt, acc1, is_async=True)
-            warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
-            prev = a
-        # every warp has read the stage (the scoring warpgroup releases it too)
-        gl.thread_barrier()
-        mbarrier.arrive(kfree.index(st))
-        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, prev, p_bufs))[:2]
-        gl.thread_barrier()
-        mbarrier.arrive(pfree.index(b))
+        acc0, acc1 = _tile_values(st_a, p_bufs.index(2 * b + k % 2), kfull, kfree, k,
+                                  n_tiles, n_last, acc0, acc1, FP8, DOT)
+        if k % 2 == 1 or k == n_tiles - 1:
+            # every warp of the warpgroup is done with the step's P and factors
+            gl.thread_barrier()
+            mbarrier.arrive(pfree.index(b))
 
     mbarrier.wait(lfull.index(0), 0)
     l_i = l_s.load(HEADS)
@@ -473,8 +517,9 @@ def mla_decode_few_heads_kernel(
                                                                 num_splits, BLOCK_N)
 
     # two buffers of P^T and of the heads' rescale factors
+    NPB: gl.constexpr = 2 if FP8 == 0 else 4  # (fp8: two steps of two tiles)
     p_bufs = gl.allocate_shared_memory(
-        dtype, [2, BLOCK_N, BLOCK_H],
+        dtype, [NPB, BLOCK_N, BLOCK_H],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype))
     a_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], F32_ROW)
     l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
