@@ -175,6 +175,20 @@ def _value_operand(raw: gl.shared_memory_descriptor, n_valid: gl.tensor, k0: gl.
 
 
 @jit
+def _finish_scores(m_i: gl.tensor, l_part: gl.tensor, l_s: gl.shared_memory_descriptor,
+                   lfull: gl.shared_memory_descriptor, LSE_PART: gl.tensor, t: gl.tensor,
+                   hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor, stride_lt: gl.tensor,
+                   stride_lh: gl.tensor, single: gl.tensor) -> None:
+    """After the last tile: the row sums kept per element reduced across the warps (once)
+    and handed to the values' warpgroup (``lfull``), and the split's log-sum-exp out."""
+    l_i = gl.sum(l_part, 0)
+    l_s.store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(lfull.index(0))
+    _store_lse(m_i, l_i, 0.0, LSE_PART, t, hb, sp, num_heads, stride_lt, stride_lh, single)
+
+
+@jit
 def _tile_scores(st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
                  kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
                  q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
@@ -305,11 +319,8 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
         gl.thread_barrier()
         mbarrier.arrive(pfull.index(b))
 
-    l_i = gl.sum(l_part, 0)
-    l_s.store(l_i)
-    gl.thread_barrier()
-    mbarrier.arrive(lfull.index(0))
-    _store_lse(m_i, l_i, 0.0, LSE_PART, t, hb, sp, num_heads, stride_lt, stride_lh, single)
+    _finish_scores(m_i, l_part, l_s, lfull, LSE_PART, t, hb, sp, num_heads, stride_lt,
+                   stride_lh, single)
 
 
 @jit
@@ -429,11 +440,8 @@ def _scores_n(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
         gl.thread_barrier()
         mbarrier.arrive(pfull.index(b))
 
-    l_i = gl.sum(l_part, 0)
-    l_s.store(l_i)
-    gl.thread_barrier()
-    mbarrier.arrive(lfull.index(0))
-    _store_lse(m_i, l_i, 0.0, LSE_PART, t, hb, sp, num_heads, stride_lt, stride_lh, single)
+    _finish_scores(m_i, l_part, l_s, lfull, LSE_PART, t, hb, sp, num_heads, stride_lt,
+                   stride_lh, single)
 
 
 @jit
