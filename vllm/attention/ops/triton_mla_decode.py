@@ -71,7 +71,8 @@ class MLADecodeConfig:
     :mod:`vllm.attention.ops.gluon_mla_few_heads_kernels`, the heads as the N of both
     MMAs (the lead kernel's arithmetic, a quarter of its tensor work at 16 heads), where
     :func:`few_heads_unsupported_reasons` is empty and ``fp8_mma`` does not take the
-    decode (asked for, its E4M3 arithmetic is still the faster at 16 heads).
+    decode (an explicit request is honoured, though at 16 heads the few-heads kernel is
+    now the faster of the two with an fp8 cache, and exact: ``docs/mla.md``).
     """
 
     block_h: int
