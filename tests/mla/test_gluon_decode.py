@@ -143,6 +143,13 @@ def test_few_heads_is_the_default_up_to_32_heads_and_says_why_not(
     assert any("kv_lora_rank=64" in r for r in tmd.few_heads_unsupported_reasons(16, 64, R))
     assert not takes(16, R_=8)
     assert any("rope_dim=8" in r for r in tmd.few_heads_unsupported_reasons(16, L, 8))
+    # an fp8 cache's latent is read 128 columns a half at a time: 128 is too few there
+    fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    assert takes(16, L_=128) == (not fp8)
+    assert tmd.few_heads_unsupported_reasons(16, 128, R) == []
+    assert any("kv_lora_rank=128 with an fp8 cache" in r
+               for r in tmd.few_heads_unsupported_reasons(16, 128, R, fp8=True))
+    assert tmd.few_heads_unsupported_reasons(16, 256, R, fp8=True) == []
 
 
 # -- on the GPU ------------------------------------------------------------------------

@@ -395,10 +395,11 @@ def _few_heads_kernel() -> Any:
     return mla_decode_few_heads_kernel
 
 
-def few_heads_unsupported_reasons(num_heads: int, kv_lora_rank: int,
-                                  rope_dim: int) -> list[str]:
+def few_heads_unsupported_reasons(num_heads: int, kv_lora_rank: int, rope_dim: int, *,
+                                  fp8: bool = False) -> list[str]:
     """Why the few-heads kernel cannot take this decode, given that the lead kernel can
-    (empty: it can)."""
+    (empty: it can); ``fp8``: the cache is fp8 (its bytes are read into the MMAs'
+    operands, a quarter of the latent, 128 columns, a score MMA)."""
     reasons = []
     if num_heads > FEW_HEADS_MAX:
         reasons.append(f"{num_heads} heads: the few-heads kernel takes at most "
@@ -409,6 +410,10 @@ def few_heads_unsupported_reasons(num_heads: int, kv_lora_rank: int,
     if rope_dim < 16:
         reasons.append(f"rope_dim={rope_dim}: the few-heads kernel's rope MMA takes a K of "
                        "at least 16")
+    if fp8 and kv_lora_rank < 256:
+        reasons.append(f"kv_lora_rank={kv_lora_rank} with an fp8 cache: the few-heads "
+                       "kernel's score MMAs read the latent's bytes 128 columns a half at "
+                       "a time, so it takes at least 256")
     return reasons
 
 
@@ -417,7 +422,8 @@ def _asks_few_heads(cfg: MLADecodeConfig, kv_cache: torch.Tensor, num_heads: int
     """Given the lead kernel: ``cfg.few_heads`` asks for the few-heads kernel, it can
     take the decode, and the opt-in fp8-MMA kernel does not (:func:`_asks_fp8_mma`)."""
     return (cfg.few_heads and not _asks_fp8_mma(cfg, kv_cache, kv_lora_rank, rope_dim)
-            and not few_heads_unsupported_reasons(num_heads, kv_lora_rank, rope_dim))
+            and not few_heads_unsupported_reasons(num_heads, kv_lora_rank, rope_dim,
+                                                  fp8=kv_cache.dtype in _FP8_CODES))
 
 
 def takes_few_heads(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tensor,
