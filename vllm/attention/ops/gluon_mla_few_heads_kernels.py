@@ -96,6 +96,10 @@ VALUE_REGS: gl.constexpr = gl.constexpr(152)
 float32 accumulators take 64)."""
 VALUE_REGS_32: gl.constexpr = gl.constexpr(192)
 """The same at 32 heads (the accumulators take 128)."""
+TILES_A_STEP: gl.constexpr = gl.constexpr(2)
+"""Tiles the scoring warpgroup takes a step with an fp8 cache (one maximum across its
+warps and one publication of ``P^T`` a step): 2 measured 58.6 us against 63.5 for 1 (16
+heads, E4M3, ``benchmarks/results/h200/2026-12-02-5948e90``); more is not measured."""
 VALUE_REGS_FP8: gl.constexpr = gl.constexpr(240)
 """Registers a thread of the values' warpgroup with an fp8 cache (its accumulators, and
 two A operands of ``TK`` keys each in registers: one in flight, one read)."""
@@ -172,6 +176,12 @@ def _value_operand(raw: gl.shared_memory_descriptor, n_valid: gl.tensor, k0: gl.
         x = gl.where((keys < n_valid)[:, None], x, gl.zeros_like(x))
     x = gl.reshape(gl.permute(gl.reshape(gl.permute(x, (1, 0)), SHAPE), ORDER.value), [HALF, TK])
     return widen_fp8(gl.convert_layout(x, DOT), FP8)
+
+
+@jit
+def _append(items: gl.tensor, x: gl.tensor) -> gl.tensor:
+    """``items + (x,)`` (a tuple grown in a compile-time loop)."""
+    return items + (x,)
 
 
 @jit
@@ -295,25 +305,34 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
     l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, ACC)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, HEADS)
     qk = qk_s.load(HEADS)  # what turns a head's raw scores into base-2 logits (> 0)
-    # two tiles a step: one maximum across the warps and one publication for both
-    for j in range(gl.cdiv(n_tiles, 2)):
+    # T tiles a step: one maximum across the warps and one publication for all
+    T: gl.constexpr = TILES_A_STEP
+    for j in range(gl.cdiv(n_tiles, T)):
         b = j % 2
-        s0 = _tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, 2 * j, n_tiles, n_last, FP8,
-                          DOT)
-        s1 = gl.full([BLOCK_N, BLOCK_H], float("-inf"), gl.float32, ACC)
-        if 2 * j + 1 < n_tiles:
-            s1 = _tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, 2 * j + 1, n_tiles, n_last,
-                              FP8, DOT)
-        # (the first tile has a key: m_new is finite; a missing second one's P is 0)
-        m_new = gl.maximum(m_i, gl.max(gl.maximum(s0, s1), 0) * qk)
-        p0 = gl.exp2(gl.fma(s0, qk[None, :], -m_new[None, :]))
-        p1 = gl.exp2(gl.fma(s1, qk[None, :], -m_new[None, :]))
+        s = (_tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, T * j, n_tiles, n_last, FP8,
+                          DOT),)
+        for i in gl.static_range(1, T):
+            s_i = gl.full([BLOCK_N, BLOCK_H], float("-inf"), gl.float32, ACC)
+            if T * j + i < n_tiles:
+                s_i = _tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, T * j + i, n_tiles,
+                                   n_last, FP8, DOT)
+            s = _append(s, s_i)
+        # (the first tile has a key: m_new is finite; a missing later one's P is 0)
+        s_max = s[0]
+        for i in gl.static_range(1, T):
+            s_max = gl.maximum(s_max, s[i])
+        m_new = gl.maximum(m_i, gl.max(s_max, 0) * qk)
+        p = ()
+        for i in gl.static_range(T):
+            p = _append(p, gl.exp2(gl.fma(s[i], qk[None, :], -m_new[None, :])))
         alpha = gl.exp2(m_i - m_new)
-        l_part = l_part * alpha[None, :] + p0 + p1
+        l_part = l_part * alpha[None, :]
+        for i in gl.static_range(T):
+            l_part = l_part + p[i]
         m_i = m_new
         mbarrier.wait(pfree.index(b), ((j // 2) - 1) & 1, pred=j >= 2)
-        p_bufs.index(2 * b).store(p0.to(dtype))
-        p_bufs.index(2 * b + 1).store(p1.to(dtype))
+        for i in gl.static_range(T):
+            p_bufs.index(T * b + i).store(p[i].to(dtype))
         a_bufs.index(b).store(alpha)
         fence_async_shared()
         gl.thread_barrier()
@@ -347,19 +366,20 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
 
     acc0 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
     acc1 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
+    T: gl.constexpr = TILES_A_STEP
     for k in range(n_tiles):
-        # the scoring warpgroup's step j: tiles 2 j and 2 j + 1, P^T in buffers 2 b and
-        # 2 b + 1, one rescale factor (applied before the first)
-        j = k // 2
+        # the scoring warpgroup's step j: tiles T j .. T j + T - 1, P^T in buffers T b ..
+        # T b + T - 1, one rescale factor (applied before the first)
+        j = k // T
         b = j % 2
-        if k % 2 == 0:
+        if k % T == 0:
             mbarrier.wait(pfull.index(b), (j // 2) & 1)
-        alpha = gl.where(k % 2 == 0, a_bufs.index(b).load(HEADS), 1.0)
+        alpha = gl.where(k % T == 0, a_bufs.index(b).load(HEADS), 1.0)
         acc0 = acc0 * alpha[None, :]
         acc1 = acc1 * alpha[None, :]
-        acc0, acc1 = _tile_values(st_a, p_bufs.index(2 * b + k % 2), kfull, kfree, k,
+        acc0, acc1 = _tile_values(st_a, p_bufs.index(T * b + k % T), kfull, kfree, k,
                                   n_tiles, n_last, acc0, acc1, FP8, DOT)
-        if k % 2 == 1 or k == n_tiles - 1:
+        if k % T == T - 1 or k == n_tiles - 1:
             # every warp of the warpgroup is done with the step's P and factors
             gl.thread_barrier()
             mbarrier.arrive(pfree.index(b))
@@ -529,7 +549,7 @@ def mla_decode_few_heads_kernel(
                                                                 num_splits, BLOCK_N)
 
     # two buffers of P^T and of the heads' rescale factors
-    NPB: gl.constexpr = 2 if FP8 == 0 else 4  # (fp8: two steps of two tiles)
+    NPB: gl.constexpr = 2 if FP8 == 0 else 2 * TILES_A_STEP  # (fp8: two steps' tiles)
     p_bufs = gl.allocate_shared_memory(
         dtype, [NPB, BLOCK_N, BLOCK_H],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype))
@@ -582,7 +602,10 @@ def mla_decode_few_heads_kernel(
             (_load, largs),
         ], [4, 1], [VALUE_REGS if BLOCK_H == 16 else VALUE_REGS_32, LOAD_REGS])
     else:
-        # the ring: [stage * 2 + half] latent halves, [stage] rope, as the copies land
+        # the ring: [stage * 2 + half] latent halves, [stage] rope, as the copies land;
+        # a step's stages are freed only after the step (the values' warpgroup reads
+        # them after its P^T), so they must all fit in the ring at once
+        gl.static_assert(TILES_A_STEP <= S, "a scoring step's tiles in the ring at once")
         st_a = gl.allocate_shared_memory(LAT_DESC.block_type.element_ty, [2 * S, BLOCK_N, HALF],
                                          LAT_DESC.layout)
         st_p = gl.allocate_shared_memory(PE_DESC.block_type.element_ty, [S, BLOCK_N, ROPE],
