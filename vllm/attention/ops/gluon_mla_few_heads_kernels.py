@@ -86,6 +86,7 @@ from vllm.attention.ops.gluon_mla_lead_kernels import (
     _zero_rows,
     dims_order,
     log2_int,
+    reorder,
     to_score_order,
 )
 
@@ -168,13 +169,13 @@ def _value_operand(raw: gl.shared_memory_descriptor, n_valid: gl.tensor, k0: gl.
     TK: gl.constexpr = raw.type.shape[0]
     HALF: gl.constexpr = raw.type.shape[1]
     LAYOUT: gl.constexpr = value_layout(TK, HALF)
-    SHAPE: gl.constexpr = value_order(HALF, TK, False)[0]
-    ORDER: gl.constexpr = value_order(HALF, TK, False)[1]
     x = raw.load(LAYOUT)
     if n_valid < k0 + TK:
         keys = k0 + gl.arange(0, TK, gl.SliceLayout(1, LAYOUT))
         x = gl.where((keys < n_valid)[:, None], x, gl.zeros_like(x))
-    x = gl.reshape(gl.permute(gl.reshape(gl.permute(x, (1, 0)), SHAPE), ORDER.value), [HALF, TK])
+    SHAPE: gl.constexpr = value_order(HALF, TK, False)[0]
+    ORDER: gl.constexpr = value_order(HALF, TK, False)[1]
+    x = reorder(gl.permute(x, (1, 0)), SHAPE, ORDER)
     return widen_fp8(gl.convert_layout(x, DOT), FP8)
 
 
@@ -182,6 +183,41 @@ def _value_operand(raw: gl.shared_memory_descriptor, n_valid: gl.tensor, k0: gl.
 def _append(items: gl.tensor, x: gl.tensor) -> gl.tensor:
     """``items + (x,)`` (a tuple grown in a compile-time loop)."""
     return items + (x,)
+
+
+@jit
+def _softmax_step(s: gl.tensor, m_i: gl.tensor, l_part: gl.tensor, qk: gl.tensor,
+                  p_bufs: gl.shared_memory_descriptor, a_bufs: gl.shared_memory_descriptor,
+                  pfree: gl.shared_memory_descriptor, pfull: gl.shared_memory_descriptor,
+                  j: gl.tensor) -> gl.tensor:
+    """Step ``j`` of the online softmax down the columns over the scores of its ``T``
+    tiles (the tuple ``s``): a head's maximum over the step's keys (across the warps,
+    once), the raw scores scaled once (``qk`` > 0), ``P`` in one FMA an element; ``P^T``
+    into buffers ``T b .. T b + T - 1`` and the heads' rescale factors into
+    ``a_bufs[b]`` (``b = j % 2``) once the value MMAs of step ``j - 2`` are done with
+    them, visible to the value MMAs (every warp's) before ``pfull[b]``. Returns the
+    running maxima and the per-element row sums."""
+    T: gl.constexpr = len(s)
+    b = j % 2
+    s_max = s[0]
+    for i in gl.static_range(1, T):
+        s_max = gl.maximum(s_max, s[i])
+    m_new = gl.maximum(m_i, gl.max(s_max, 0) * qk)
+    p = ()
+    for i in gl.static_range(T):
+        p = _append(p, gl.exp2(gl.fma(s[i], qk[None, :], -m_new[None, :])))
+    alpha = gl.exp2(m_i - m_new)
+    l_part = l_part * alpha[None, :]
+    for i in gl.static_range(T):
+        l_part = l_part + p[i]
+    mbarrier.wait(pfree.index(b), ((j // 2) - 1) & 1, pred=j >= 2)
+    for i in gl.static_range(T):
+        p_bufs.index(T * b + i).store(p[i].to(p_bufs.dtype))
+    a_bufs.index(b).store(alpha)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(pfull.index(b))
+    return m_new, l_part
 
 
 @jit
@@ -296,7 +332,6 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
     FP8: gl.constexpr = 1 if C.dtype.element_ty == gl.float8e4nv else 2
     BLOCK_N: gl.constexpr = st_a.type.shape[1]
     BLOCK_H: gl.constexpr = q_s.type.shape[1]
-    dtype: gl.constexpr = q_s.dtype
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -308,7 +343,6 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
     # T tiles a step: one maximum across the warps and one publication for all
     T: gl.constexpr = TILES_A_STEP
     for j in range(gl.cdiv(n_tiles, T)):
-        b = j % 2
         s = (_tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, T * j, n_tiles, n_last, FP8,
                           DOT),)
         for i in gl.static_range(1, T):
@@ -318,25 +352,7 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
                                    n_last, FP8, DOT)
             s = _append(s, s_i)
         # (the first tile has a key: m_new is finite; a missing later one's P is 0)
-        s_max = s[0]
-        for i in gl.static_range(1, T):
-            s_max = gl.maximum(s_max, s[i])
-        m_new = gl.maximum(m_i, gl.max(s_max, 0) * qk)
-        p = ()
-        for i in gl.static_range(T):
-            p = _append(p, gl.exp2(gl.fma(s[i], qk[None, :], -m_new[None, :])))
-        alpha = gl.exp2(m_i - m_new)
-        l_part = l_part * alpha[None, :]
-        for i in gl.static_range(T):
-            l_part = l_part + p[i]
-        m_i = m_new
-        mbarrier.wait(pfree.index(b), ((j // 2) - 1) & 1, pred=j >= 2)
-        for i in gl.static_range(T):
-            p_bufs.index(T * b + i).store(p[i].to(dtype))
-        a_bufs.index(b).store(alpha)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(pfull.index(b))
+        m_i, l_part = _softmax_step(s, m_i, l_part, qk, p_bufs, a_bufs, pfree, pfull, j)
 
     _finish_scores(m_i, l_part, l_s, lfull, LSE_PART, t, hb, sp, num_heads, stride_lt,
                    stride_lh, single)
@@ -389,9 +405,8 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
     SHAPE: gl.constexpr = value_order(HALF, BLOCK_H, True)[0]
     ORDER: gl.constexpr = value_order(HALF, BLOCK_H, True)[1]
     # the accumulators' rows back in the latent's order, transposed: [heads, L / 2]
-    # (which register holds which element changes, not what a register holds)
-    o0 = gl.reshape(gl.permute(gl.reshape(acc0, SHAPE), ORDER.value), [HALF, BLOCK_H])
-    o1 = gl.reshape(gl.permute(gl.reshape(acc1, SHAPE), ORDER.value), [HALF, BLOCK_H])
+    o0 = reorder(acc0, SHAPE, ORDER)
+    o1 = reorder(acc1, SHAPE, ORDER)
     _store_half(gl.permute(o0, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
                 stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0)
     _store_half(gl.permute(o1, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
@@ -417,7 +432,6 @@ def _scores_n(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
     log-sum-exp of a split out."""
     BLOCK_N: gl.constexpr = ka_bufs.type.shape[1]
     BLOCK_H: gl.constexpr = q_s.type.shape[1]
-    dtype: gl.constexpr = q_s.dtype
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     HEADS: gl.constexpr = gl.SliceLayout(0, ACC)
@@ -443,22 +457,9 @@ def _scores_n(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
             _zero_rows(ka_bufs.index(2 * b + 1), n_valid, LOAD)
             keys = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ACC))
             s = gl.where((keys < n_valid)[:, None], s, float("-inf"))
-        # a head's maximum over the tile's keys (down a column: across the warps), the
-        # raw scores' scaled once (qk > 0); P in one FMA an element. Every tile has a
-        # key, so m_new is finite.
-        m_new = gl.maximum(m_i, gl.max(s, 0) * qk)
-        p = gl.exp2(gl.fma(s, qk[None, :], -m_new[None, :]))
-        alpha = gl.exp2(m_i - m_new)
-        l_part = l_part * alpha[None, :] + p
-        m_i = m_new
-        # the value MMAs of tile k - 2 are done with this buffer
-        mbarrier.wait(pfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
-        p_bufs.index(b).store(p.to(dtype))
-        a_bufs.index(b).store(alpha)
-        # P^T (and the zeroed rows) visible to the value MMAs, every warp's
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(pfull.index(b))
+        # (every tile has a key, so m_new is finite; the zeroed rows are published
+        # with P^T)
+        m_i, l_part = _softmax_step((s,), m_i, l_part, qk, p_bufs, a_bufs, pfree, pfull, k)
 
     _finish_scores(m_i, l_part, l_s, lfull, LSE_PART, t, hb, sp, num_heads, stride_lt,
                    stride_lh, single)

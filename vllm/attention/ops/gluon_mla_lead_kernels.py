@@ -282,14 +282,21 @@ def score_order(ROWS: int, W: int) -> tuple[list[int], list[int]]:
 
 
 @jit
+def reorder(x: gl.tensor, SHAPE: gl.constexpr, ORDER: gl.constexpr) -> gl.tensor:
+    """``x`` seen as ``SHAPE`` (its indices' bits as dims of 2), those dims put in
+    ``ORDER``, and seen as ``x``'s shape again: the elements renumbered in registers
+    (which register holds which element changes, not what it holds)."""
+    return gl.reshape(gl.permute(gl.reshape(x, SHAPE), ORDER.value), x.type.shape)
+
+
+@jit
 def to_score_order(x: gl.tensor) -> gl.tensor:
-    """``x`` (``[rows, W]``) with its columns in the order of :func:`score_order` (in
-    registers: which register holds which element changes, not what it holds)."""
+    """``x`` (``[rows, W]``) with its columns in the order of :func:`score_order`."""
     ROWS: gl.constexpr = x.type.shape[0]
     W: gl.constexpr = x.type.shape[1]
     SHAPE: gl.constexpr = score_order(ROWS, W)[0]
     ORDER: gl.constexpr = score_order(ROWS, W)[1]
-    return gl.reshape(gl.permute(gl.reshape(x, SHAPE), ORDER.value), [ROWS, W])
+    return reorder(x, SHAPE, ORDER)
 
 
 @jit
