@@ -55,6 +55,15 @@ holds which element changes, nothing moves. Against the widening warpgroup this 
 had before (a float16 copy of every tile, its fence and its barriers), the E4M3 decode
 at 16 heads, batch 64 and 4096 keys went from 73.4 to 62.8-64.9 us on an H200, and
 with two tiles a step to 58.6 us.
+
+An E4M3 cache's scores skip the registers (:func:`_scores_f8`): fp8 MMAs (``m64nXk32``,
+E4M3 x E4M3) of the stored bytes as they landed by the query in two E4M3 parts a head
+at a time (a power of two puts the head's largest magnitude in ``[128, 256)``; the high
+part is the query rounded, the middle one the remainder times 16, rounded), both parts
+in one MMA (``N`` twice the heads) and added in registers. The two parts hold a
+bfloat16 query exactly down to ``2**-6`` (``2**-13`` of the head's largest magnitude),
+a float16 one to 8 significant bits. The values keep the widening into registers (an
+fp8 MMA takes its operands K-major only, and the stored tile is the values' M-major).
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from vllm.attention.ops.gluon_mla_decode_kernels import (
+    LOG2E,
     _program_keys,
     constexpr_function,
     jit,
@@ -89,6 +99,7 @@ from vllm.attention.ops.gluon_mla_lead_kernels import (
     reorder,
     to_score_order,
 )
+from vllm.attention.ops.triton_mla_decode_kernels import row_powers
 
 LOAD_REGS: gl.constexpr = gl.constexpr(24)
 """Registers a thread of the loader warp (a 16-bit cache)."""
@@ -101,6 +112,9 @@ TILES_A_STEP: gl.constexpr = gl.constexpr(2)
 """Tiles the scoring warpgroup takes a step with an fp8 cache (one maximum across its
 warps and one publication of ``P^T`` a step): 2 measured 58.6 us against 63.5 for 1 (16
 heads, E4M3, ``benchmarks/results/h200/2026-12-02-5948e90``); more is not measured."""
+MID_SCALE: gl.constexpr = gl.constexpr(16.0)
+"""What the middle part of an fp8 query is scaled by (its range: the remainder of the
+high part is at most 8 of a ``[128, 256)`` magnitude)."""
 VALUE_REGS_FP8: gl.constexpr = gl.constexpr(240)
 """Registers a thread of the values' warpgroup with an fp8 cache (its accumulators, and
 two A operands of ``TK`` keys each in registers: one in flight, one read)."""
@@ -322,6 +336,29 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
               LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor, sp: gl.tensor,
               num_heads: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
               single: gl.tensor, C: gl.tensor) -> None:
+    """The scoring warpgroup of an fp8 cache: :func:`_scores_f8` (E4M3), else
+    :func:`_scores_w` (E5M2). ``C``: the cache (its element type)."""
+    if C.dtype.element_ty == gl.float8e4nv:
+        _scores_f8(q_s, qp_s, st_a, st_p, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree,
+                   lfull, n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads, stride_lt,
+                   stride_lh, single)
+    else:
+        _scores_w(q_s, qp_s, st_a, st_p, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree,
+                  lfull, n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads, stride_lt,
+                  stride_lh, single, C)
+
+
+@jit
+def _scores_w(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
+              st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
+              p_bufs: gl.shared_memory_descriptor, a_bufs: gl.shared_memory_descriptor,
+              l_s: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
+              kfree: gl.shared_memory_descriptor, pfull: gl.shared_memory_descriptor,
+              pfree: gl.shared_memory_descriptor, lfull: gl.shared_memory_descriptor,
+              n_tiles: gl.tensor, n_last: gl.tensor, qk_s: gl.shared_memory_descriptor,
+              LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor, sp: gl.tensor,
+              num_heads: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
+              single: gl.tensor, C: gl.tensor) -> None:
     """The scoring warpgroup of an fp8 cache, two tiles a step (:func:`_tile_scores`:
     their bytes read from the ring into the A fragments of the score MMAs, widened in
     registers), then the softmax of :func:`_scores_n` over both: one maximum across the
@@ -411,6 +448,142 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
                 stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0)
     _store_half(gl.permute(o1, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
                 stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 1)
+
+
+@jit
+def _query_parts(x: gl.tensor, hi_s: gl.shared_memory_descriptor,
+                 mid_s: gl.shared_memory_descriptor) -> None:
+    """``x`` (float32, scaled) as two E4M3 parts: ``hi`` (``x`` rounded) into ``hi_s``,
+    ``mid`` (the remainder times 16, rounded) into ``mid_s``; ``hi + mid / 16`` is ``x``
+    to its 8th significant bit (exactly, for a bfloat16 value, down to ``2**-6``)."""
+    hi = x.to(gl.float8e4nv)
+    hi_s.store(hi)
+    mid_s.store(((x - hi.to(gl.float32)) * MID_SCALE).to(gl.float8e4nv))
+
+
+@jit
+def _query_f8_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tensor,
+                        num_heads: gl.tensor, stride_qt: gl.tensor, stride_qh: gl.tensor,
+                        stride_et: gl.tensor, stride_eh: gl.tensor, sm_scale: gl.tensor,
+                        K_SCALE: gl.tensor, qa_s: gl.shared_memory_descriptor,
+                        qpe_s: gl.shared_memory_descriptor,
+                        qk_s: gl.shared_memory_descriptor, LOAD: gl.constexpr) -> gl.tensor:
+    """Token ``t``'s query of head tile ``hb`` into shared memory as the B operands of
+    fp8 score MMAs on an E4M3 cache's bytes: each head scaled by the power of two that
+    puts its largest magnitude in ``[128, 256)`` and split into two E4M3 parts
+    (:func:`_query_parts`), rows ``0 .. BLOCK_H`` the high parts, rows ``BLOCK_H ..
+    2 BLOCK_H`` the middle ones (``qa_s``: ``[2, 2 BLOCK_H, L / 2]``, the latent in
+    halves; ``qpe_s``: ``[2 BLOCK_H, R]``); in ``qk_s`` what turns a head's raw scores
+    into base-2 logits. Visible to the MMAs after. Returns ``K_SCALE``'s value (what
+    multiplies the output)."""
+    BLOCK_H: gl.constexpr = qa_s.type.shape[1] // 2
+    HALF: gl.constexpr = qa_s.type.shape[2]
+    ROPE: gl.constexpr = qpe_s.type.shape[1]
+    CH: gl.constexpr = 128 if HALF >= 128 else HALF
+    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LOAD))
+    mask_h = (offs_h < num_heads)[:, None]
+    cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
+    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
+    qp_ptr = Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :]
+    amax = gl.max(gl.abs(gl.load(qp_ptr, mask=mask_h, other=0.0).to(gl.float32)), 1)
+    for c in gl.static_range(2 * HALF // CH):
+        x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
+        amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), 1))
+    down, up = row_powers(amax, 7)
+    oscale = gl.load(K_SCALE)
+    for c in gl.static_range(2 * HALF // CH):
+        x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
+        dst = qa_s.index(c * CH // HALF).slice(c * CH % HALF, CH, dim=1)
+        _query_parts(x.to(gl.float32) * down[:, None], dst.slice(0, BLOCK_H, dim=0),
+                     dst.slice(BLOCK_H, BLOCK_H, dim=0))
+    x = gl.load(qp_ptr, mask=mask_h, other=0.0)
+    _query_parts(x.to(gl.float32) * down[:, None], qpe_s.slice(0, BLOCK_H, dim=0),
+                 qpe_s.slice(BLOCK_H, BLOCK_H, dim=0))
+    qk_s.store(sm_scale * LOG2E * oscale * up)
+    fence_async_shared()
+    gl.thread_barrier()
+    return oscale
+
+
+@jit
+def _tile_scores_f8(st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
+                    kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+                    qa_s: gl.shared_memory_descriptor, qpe_s: gl.shared_memory_descriptor,
+                    k: gl.tensor, n_tiles: gl.tensor, n_last: gl.tensor,
+                    ACC: gl.constexpr) -> gl.tensor:
+    """Tile ``k``'s scores ``S^T`` on an E4M3 cache: fp8 MMAs of the stored bytes (keys
+    as M) by both parts of the query at once (``N = 2 BLOCK_H``), then ``hi + mid / 16``
+    per head in registers; the stage released once the MMAs are done (the values'
+    warpgroup releases it too); the rows past a split's end masked."""
+    S: gl.constexpr = kfull.type.shape[0]
+    BLOCK_N: gl.constexpr = st_a.type.shape[1]
+    HALF: gl.constexpr = st_a.type.shape[2]
+    ROPE: gl.constexpr = st_p.type.shape[2]
+    H2: gl.constexpr = qa_s.type.shape[1]
+    ACC2: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H2, 32])
+    f8: gl.constexpr = gl.float8e4nv
+    st = k % S
+    mbarrier.wait(kfull.index(st), (k // S) & 1)
+    s2 = warpgroup_mma(st_p.index(st)._reinterpret(f8, [BLOCK_N, ROPE], st_p.type.layout),
+                       qpe_s.permute((1, 0)), gl.zeros([BLOCK_N, H2], gl.float32, ACC2),
+                       use_acc=False, is_async=True)
+    for h in gl.static_range(2):
+        s2 = warpgroup_mma(
+            st_a.index(2 * st + h)._reinterpret(f8, [BLOCK_N, HALF], st_a.type.layout),
+            qa_s.index(h).permute((1, 0)), s2, is_async=True)
+    s2 = warpgroup_mma_wait(num_outstanding=0, deps=(s2, qa_s, qpe_s))[0]
+    # every warp's MMAs have read the stage
+    gl.thread_barrier()
+    mbarrier.arrive(kfree.index(st))
+    # the columns [hi heads | mid heads] -> hi + mid / 16, in registers
+    hi, mid = gl.split(gl.permute(gl.reshape(s2, [BLOCK_N, 2, H2 // 2]), (0, 2, 1)))
+    s = gl.convert_layout(gl.fma(mid, 1.0 / MID_SCALE, hi), ACC)
+    n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
+    if n_valid < BLOCK_N:
+        keys = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ACC))
+        s = gl.where((keys < n_valid)[:, None], s, float("-inf"))
+    return s
+
+
+@jit
+def _scores_f8(qa_s: gl.shared_memory_descriptor, qpe_s: gl.shared_memory_descriptor,
+               st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
+               p_bufs: gl.shared_memory_descriptor, a_bufs: gl.shared_memory_descriptor,
+               l_s: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
+               kfree: gl.shared_memory_descriptor, pfull: gl.shared_memory_descriptor,
+               pfree: gl.shared_memory_descriptor, lfull: gl.shared_memory_descriptor,
+               n_tiles: gl.tensor, n_last: gl.tensor, qk_s: gl.shared_memory_descriptor,
+               LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor, sp: gl.tensor,
+               num_heads: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
+               single: gl.tensor) -> None:
+    """The scoring warpgroup of an E4M3 cache: :func:`_scores_w` with each tile's
+    scores from fp8 MMAs of its stored bytes by the query's two parts
+    (:func:`_tile_scores_f8`); no byte is read into registers or widened."""
+    BLOCK_N: gl.constexpr = st_a.type.shape[1]
+    BLOCK_H: gl.constexpr = qa_s.type.shape[1] // 2
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+    HEADS: gl.constexpr = gl.SliceLayout(0, ACC)
+
+    l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, ACC)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, HEADS)
+    qk = qk_s.load(HEADS)
+    T: gl.constexpr = TILES_A_STEP
+    for j in range(gl.cdiv(n_tiles, T)):
+        s = (_tile_scores_f8(st_a, st_p, kfull, kfree, qa_s, qpe_s, T * j, n_tiles, n_last,
+                             ACC),)
+        for i in gl.static_range(1, T):
+            s_i = gl.full([BLOCK_N, BLOCK_H], float("-inf"), gl.float32, ACC)
+            if T * j + i < n_tiles:
+                s_i = _tile_scores_f8(st_a, st_p, kfull, kfree, qa_s, qpe_s, T * j + i,
+                                      n_tiles, n_last, ACC)
+            s = _append(s, s_i)
+        m_i, l_part = _softmax_step(s, m_i, l_part, qk, p_bufs, a_bufs, pfree, pfull, j)
+
+    _finish_scores(m_i, l_part, l_s, lfull, LSE_PART, t, hb, sp, num_heads, stride_lt,
+                   stride_lh, single)
 
 
 @jit
@@ -576,12 +749,25 @@ def mla_decode_few_heads_kernel(
 
     # the query in halves of the latent and the rope part: the score MMAs' B operands
     # (K-major, as stored)
-    q_s, qp_s = _query_buffers(dtype, BLOCK_H, HALF, ROPE)
-    # an fp8 cache: the query scaled into float16's top binades, its columns in the
-    # order in which the scoring warpgroup reads the stored bytes
-    oscale = _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
-                              stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s,
-                              14 if FP8 != 0 else 0, LOAD, FP8 != 0)
+    if FP8 == 1:
+        # an E4M3 cache: the query in two E4M3 parts, the B operands of fp8 score MMAs
+        f8: gl.constexpr = gl.float8e4nv
+        q_s = gl.allocate_shared_memory(
+            f8, [2, 2 * BLOCK_H, HALF],
+            gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, HALF], f8))
+        qp_s = gl.allocate_shared_memory(
+            f8, [2 * BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, ROPE],
+                                                                          f8))
+        oscale = _query_f8_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh,
+                                     stride_et, stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s,
+                                     LOAD)
+    else:
+        q_s, qp_s = _query_buffers(dtype, BLOCK_H, HALF, ROPE)
+        # an E5M2 cache: the query scaled into float16's top binades, its columns in the
+        # order in which the scoring warpgroup reads the stored bytes
+        oscale = _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh,
+                                  stride_et, stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s,
+                                  14 if FP8 != 0 else 0, LOAD, FP8 != 0)
     # a partition's arguments are run-time values: the compile-time flag as a scalar
     single = (n_tiles * 0 + SINGLE) != 0
     page = n_tiles * 0 + PAGE
