@@ -335,14 +335,24 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
               n_tiles: gl.tensor, n_last: gl.tensor, qk_s: gl.shared_memory_descriptor,
               LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor, sp: gl.tensor,
               num_heads: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
-              single: gl.tensor, C: gl.tensor) -> None:
-    """The scoring warpgroup of an fp8 cache: :func:`_scores_f8` (E4M3), else
+              single: gl.tensor, C: gl.tensor, Q: gl.tensor, Q_PE: gl.tensor,
+              stride_qt: gl.tensor, stride_qh: gl.tensor, stride_et: gl.tensor,
+              stride_eh: gl.tensor, sm_scale: gl.tensor, K_SCALE: gl.tensor) -> None:
+    """The scoring warpgroup of an fp8 cache: the query into shared memory first (the
+    loader's first copies are in flight meanwhile), then :func:`_scores_f8` (E4M3) or
     :func:`_scores_w` (E5M2). ``C``: the cache (its element type)."""
+    LOADQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     if C.dtype.element_ty == gl.float8e4nv:
+        _query_f8_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
+                            stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s, LOADQ)
         _scores_f8(q_s, qp_s, st_a, st_p, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree,
                    lfull, n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads, stride_lt,
                    stride_lh, single)
     else:
+        # scaled into float16's top binades, its columns in the order in which
+        # :func:`_tile_scores` reads the stored bytes
+        _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
+                         stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s, 14, LOADQ, True)
         _scores_w(q_s, qp_s, st_a, st_p, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree,
                   lfull, n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads, stride_lt,
                   stride_lh, single, C)
@@ -439,6 +449,7 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
 
     mbarrier.wait(lfull.index(0), 0)
     l_i = l_s.load(HEADS)
+    oscale = gl.load(oscale)  # (where the cache's scale is)
     SHAPE: gl.constexpr = value_order(HALF, BLOCK_H, True)[0]
     ORDER: gl.constexpr = value_order(HALF, BLOCK_H, True)[1]
     # the accumulators' rows back in the latent's order, transposed: [heads, L / 2]
@@ -467,15 +478,16 @@ def _query_f8_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tens
                         stride_et: gl.tensor, stride_eh: gl.tensor, sm_scale: gl.tensor,
                         K_SCALE: gl.tensor, qa_s: gl.shared_memory_descriptor,
                         qpe_s: gl.shared_memory_descriptor,
-                        qk_s: gl.shared_memory_descriptor, LOAD: gl.constexpr) -> gl.tensor:
+                        qk_s: gl.shared_memory_descriptor, LOAD: gl.constexpr) -> None:
     """Token ``t``'s query of head tile ``hb`` into shared memory as the B operands of
     fp8 score MMAs on an E4M3 cache's bytes: each head scaled by the power of two that
     puts its largest magnitude in ``[128, 256)`` and split into two E4M3 parts
     (:func:`_query_parts`), rows ``0 .. BLOCK_H`` the high parts, rows ``BLOCK_H ..
     2 BLOCK_H`` the middle ones (``qa_s``: ``[2, 2 BLOCK_H, L / 2]``, the latent in
     halves; ``qpe_s``: ``[2 BLOCK_H, R]``); in ``qk_s`` what turns a head's raw scores
-    into base-2 logits. Visible to the MMAs after. Returns ``K_SCALE``'s value (what
-    multiplies the output)."""
+    into base-2 logits (``K_SCALE`` one of its factors). One read of the query (held in
+    registers for the scaling); visible to the MMAs after. Run by the scoring warpgroup
+    while the loader's first copies are in flight."""
     BLOCK_H: gl.constexpr = qa_s.type.shape[1] // 2
     HALF: gl.constexpr = qa_s.type.shape[2]
     ROPE: gl.constexpr = qpe_s.type.shape[1]
@@ -485,25 +497,25 @@ def _query_f8_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tens
     cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
     q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
     offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
-    qp_ptr = Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :]
-    amax = gl.max(gl.abs(gl.load(qp_ptr, mask=mask_h, other=0.0).to(gl.float32)), 1)
+    xp = gl.load(Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :],
+                 mask=mask_h, other=0.0).to(gl.float32)
+    amax = gl.max(gl.abs(xp), 1)
+    xs = ()
     for c in gl.static_range(2 * HALF // CH):
-        x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
-        amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), 1))
+        x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0).to(gl.float32)
+        amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
+        xs = _append(xs, x)
+    ksc = gl.load(K_SCALE)
     down, up = row_powers(amax, 7)
-    oscale = gl.load(K_SCALE)
     for c in gl.static_range(2 * HALF // CH):
-        x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0)
         dst = qa_s.index(c * CH // HALF).slice(c * CH % HALF, CH, dim=1)
-        _query_parts(x.to(gl.float32) * down[:, None], dst.slice(0, BLOCK_H, dim=0),
+        _query_parts(xs[c] * down[:, None], dst.slice(0, BLOCK_H, dim=0),
                      dst.slice(BLOCK_H, BLOCK_H, dim=0))
-    x = gl.load(qp_ptr, mask=mask_h, other=0.0)
-    _query_parts(x.to(gl.float32) * down[:, None], qpe_s.slice(0, BLOCK_H, dim=0),
+    _query_parts(xp * down[:, None], qpe_s.slice(0, BLOCK_H, dim=0),
                  qpe_s.slice(BLOCK_H, BLOCK_H, dim=0))
-    qk_s.store(sm_scale * LOG2E * oscale * up)
+    qk_s.store(sm_scale * LOG2E * ksc * up)
     fence_async_shared()
     gl.thread_barrier()
-    return oscale
 
 
 @jit
@@ -758,16 +770,16 @@ def mla_decode_few_heads_kernel(
         qp_s = gl.allocate_shared_memory(
             f8, [2 * BLOCK_H, ROPE], gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, ROPE],
                                                                           f8))
-        oscale = _query_f8_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh,
-                                     stride_et, stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s,
-                                     LOAD)
     else:
         q_s, qp_s = _query_buffers(dtype, BLOCK_H, HALF, ROPE)
-        # an E5M2 cache: the query scaled into float16's top binades, its columns in the
-        # order in which the scoring warpgroup reads the stored bytes
+    if FP8 == 0:
         oscale = _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh,
                                   stride_et, stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s,
-                                  14 if FP8 != 0 else 0, LOAD, FP8 != 0)
+                                  0, LOAD)
+    else:
+        # the scoring warpgroup writes an fp8 cache's query (:func:`_scores_r`) and the
+        # values' warpgroup reads the scale where it stores the output
+        oscale = K_SCALE
     # a partition's arguments are run-time values: the compile-time flag as a scalar
     single = (n_tiles * 0 + SINGLE) != 0
     page = n_tiles * 0 + PAGE
@@ -799,7 +811,8 @@ def mla_decode_few_heads_kernel(
                                          PE_DESC.layout)
         rsargs = (q_s, qp_s, st_a, st_p, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree,
                   lfull, n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads,
-                  stride_lt, stride_lh, single, C)
+                  stride_lt, stride_lh, single, C, Q, Q_PE, stride_qt, stride_qh,
+                  stride_et, stride_eh, sm_scale, K_SCALE)
         rvargs = (st_a, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles,
                   n_last, oscale, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
                   stride_pt, stride_ph, stride_ps, single, C)
