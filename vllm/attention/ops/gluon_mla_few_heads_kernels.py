@@ -455,10 +455,27 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
     # the accumulators' rows back in the latent's order, transposed: [heads, L / 2]
     o0 = reorder(acc0, SHAPE, ORDER)
     o1 = reorder(acc1, SHAPE, ORDER)
-    _store_half(gl.permute(o0, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
+    _store_rows(gl.permute(o0, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
                 stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0)
-    _store_half(gl.permute(o1, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
+    _store_rows(gl.permute(o1, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
                 stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 1)
+
+
+@jit
+def _store_rows(o: gl.tensor, l_i: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor,
+                t: gl.tensor, hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor,
+                stride_xt: gl.tensor, stride_xh: gl.tensor, stride_pt: gl.tensor,
+                stride_ph: gl.tensor, stride_ps: gl.tensor, single: gl.tensor,
+                oscale: gl.tensor, W: gl.constexpr) -> None:
+    """Half ``W`` of the output (``o``: ``[heads, L / 2]``) stored by :func:`_store_half`
+    from a layout in which a thread holds 4 consecutive columns of a head and a warp 128
+    (16-byte stores of the float32 partials, each warp's contiguous; through shared
+    memory). From the accumulators' layouts a thread's stores were 4 bytes each,
+    scattered: about 7 us of a 16-head E4M3 decode of two splits went to them
+    (``benchmarks/results/h200/2026-12-02-f7a6500``, ``timestamps.txt``)."""
+    STORE: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    _store_half(gl.convert_layout(o, STORE), l_i, OUT, O_PART, t, hb, sp, num_heads,
+                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, W)
 
 
 @jit
@@ -694,9 +711,9 @@ def _values_n(ka_bufs: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_des
     l_i = l_s.load(HEADS)
     # the output [heads, L]: the accumulators transposed in registers (which register
     # holds which element changes, not what a register holds)
-    _store_half(gl.permute(acc0, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
+    _store_rows(gl.permute(acc0, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
                 stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0)
-    _store_half(gl.permute(acc1, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
+    _store_rows(gl.permute(acc1, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
                 stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 1)
 
 
