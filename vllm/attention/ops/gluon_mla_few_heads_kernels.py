@@ -56,7 +56,7 @@ had before (a float16 copy of every tile, its fence and its barriers), the E4M3 
 at 16 heads, batch 64 and 4096 keys went from 73.4 to 62.8-64.9 us on an H200, and
 with two tiles a step to 58.6 us.
 
-An E4M3 cache's scores skip the registers (:func:`_scores_f8`): fp8 MMAs (``m64nXk32``,
+An E4M3 cache's scores skip the registers (:func:`_tile_scores_f8`): fp8 MMAs (``m64nXk32``,
 E4M3 x E4M3) of the stored bytes as they landed by the query in two E4M3 parts a head
 at a time (a power of two puts the head's largest magnitude in ``[128, 256)``; the high
 part is the query rounded, the middle one the remainder times 16, rounded), both parts
@@ -338,51 +338,29 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
               single: gl.tensor, C: gl.tensor, Q: gl.tensor, Q_PE: gl.tensor,
               stride_qt: gl.tensor, stride_qh: gl.tensor, stride_et: gl.tensor,
               stride_eh: gl.tensor, sm_scale: gl.tensor, K_SCALE: gl.tensor) -> None:
-    """The scoring warpgroup of an fp8 cache: the query into shared memory first (the
-    loader's first copies are in flight meanwhile), then :func:`_scores_f8` (E4M3) or
-    :func:`_scores_w` (E5M2). ``C``: the cache (its element type)."""
-    LOADQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    if C.dtype.element_ty == gl.float8e4nv:
-        _query_f8_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
-                            stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s, LOADQ)
-        _scores_f8(q_s, qp_s, st_a, st_p, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree,
-                   lfull, n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads, stride_lt,
-                   stride_lh, single)
-    else:
-        # scaled into float16's top binades, its columns in the order in which
-        # :func:`_tile_scores` reads the stored bytes
-        _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
-                         stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s, 14, LOADQ, True)
-        _scores_w(q_s, qp_s, st_a, st_p, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree,
-                  lfull, n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads, stride_lt,
-                  stride_lh, single, C)
-
-
-@jit
-def _scores_w(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
-              st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
-              p_bufs: gl.shared_memory_descriptor, a_bufs: gl.shared_memory_descriptor,
-              l_s: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
-              kfree: gl.shared_memory_descriptor, pfull: gl.shared_memory_descriptor,
-              pfree: gl.shared_memory_descriptor, lfull: gl.shared_memory_descriptor,
-              n_tiles: gl.tensor, n_last: gl.tensor, qk_s: gl.shared_memory_descriptor,
-              LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor, sp: gl.tensor,
-              num_heads: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
-              single: gl.tensor, C: gl.tensor) -> None:
-    """The scoring warpgroup of an fp8 cache, two tiles a step (:func:`_tile_scores`:
-    their bytes read from the ring into the A fragments of the score MMAs, widened in
-    registers), then the softmax of :func:`_scores_n` over both: one maximum across the
-    warps and one publication a step (step ``j``'s ``P^T`` in buffers ``2 b`` and ``2 b
-    + 1``, ``b = j % 2``, its heads' rescale factors in ``a_bufs[b]``; at 16 heads this
-    took the E4M3 decode from 63.5 to 58.6 us). ``C``: the cache (its element type, E4M3
-    or E5M2)."""
+    """The scoring warpgroup of an fp8 cache. The query into shared memory first (the
+    loader's first copies are in flight meanwhile): in two E4M3 parts for an E4M3 cache
+    (:func:`_query_f8_to_shared`), else scaled into float16's top binades with its
+    columns in the order in which :func:`_tile_scores` reads the stored bytes. Then two
+    tiles a step (:func:`_fp8_tile_scores`) and the softmax of :func:`_scores_n` over
+    both: one maximum across the warps and one publication a step (step ``j``'s ``P^T``
+    in buffers ``2 b`` and ``2 b + 1``, ``b = j % 2``, its heads' rescale factors in
+    ``a_bufs[b]``; at 16 heads this took the E4M3 decode from 63.5 to 58.6 us). ``C``:
+    the cache (its element type, E4M3 or E5M2)."""
     FP8: gl.constexpr = 1 if C.dtype.element_ty == gl.float8e4nv else 2
     BLOCK_N: gl.constexpr = st_a.type.shape[1]
-    BLOCK_H: gl.constexpr = q_s.type.shape[1]
+    BLOCK_H: gl.constexpr = p_bufs.type.shape[2]
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     HEADS: gl.constexpr = gl.SliceLayout(0, ACC)
+    LOADQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    if FP8 == 1:
+        _query_f8_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
+                            stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s, LOADQ)
+    else:
+        _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
+                         stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s, 14, LOADQ, True)
 
     l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, ACC)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, HEADS)
@@ -390,13 +368,13 @@ def _scores_w(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
     # T tiles a step: one maximum across the warps and one publication for all
     T: gl.constexpr = TILES_A_STEP
     for j in range(gl.cdiv(n_tiles, T)):
-        s = (_tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, T * j, n_tiles, n_last, FP8,
-                          DOT),)
+        s = (_fp8_tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, T * j, n_tiles, n_last,
+                              FP8, DOT),)
         for i in gl.static_range(1, T):
             s_i = gl.full([BLOCK_N, BLOCK_H], float("-inf"), gl.float32, ACC)
             if T * j + i < n_tiles:
-                s_i = _tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, T * j + i, n_tiles,
-                                   n_last, FP8, DOT)
+                s_i = _fp8_tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, T * j + i,
+                                       n_tiles, n_last, FP8, DOT)
             s = _append(s, s_i)
         # (the first tile has a key: m_new is finite; a missing later one's P is 0)
         m_i, l_part = _softmax_step(s, m_i, l_part, qk, p_bufs, a_bufs, pfree, pfull, j)
@@ -406,19 +384,37 @@ def _scores_w(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
 
 
 @jit
+def _fp8_tile_scores(st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
+                     kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+                     q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
+                     k: gl.tensor, n_tiles: gl.tensor, n_last: gl.tensor, FP8: gl.constexpr,
+                     DOT: gl.constexpr) -> gl.tensor:
+    """Tile ``k``'s scores ``S^T`` (in ``DOT``'s parent layout): fp8 MMAs of the stored
+    bytes (``FP8`` 1, E4M3: :func:`_tile_scores_f8`), else the bytes widened in
+    registers (:func:`_tile_scores`)."""
+    ACC: gl.constexpr = DOT.parent
+    if FP8 == 1:
+        s = _tile_scores_f8(st_a, st_p, kfull, kfree, q_s, qp_s, k, n_tiles, n_last, ACC)
+    else:
+        s = _tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, k, n_tiles, n_last, FP8, DOT)
+    return s
+
+
+@jit
 def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descriptor,
               a_bufs: gl.shared_memory_descriptor, l_s: gl.shared_memory_descriptor,
               kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
               pfull: gl.shared_memory_descriptor, pfree: gl.shared_memory_descriptor,
               lfull: gl.shared_memory_descriptor, n_tiles: gl.tensor, n_last: gl.tensor,
-              oscale: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor, t: gl.tensor,
+              K_SCALE: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor, t: gl.tensor,
               hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor,
               stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor,
               stride_ps: gl.tensor, single: gl.tensor, C: gl.tensor) -> None:
     """The values' warpgroup of an fp8 cache: each tile's ``P^T`` applied to both
     halves of the latent (:func:`_tile_values`), the accumulators rescaled once a step
     of the scoring warpgroup (two tiles); then the output, its rows put back in the
-    latent's order. ``C``: the cache (its element type, E4M3 or E5M2)."""
+    latent's order, times the cache's scale (``K_SCALE``, read there). ``C``: the cache
+    (its element type, E4M3 or E5M2)."""
     FP8: gl.constexpr = 1 if C.dtype.element_ty == gl.float8e4nv else 2
     HALF: gl.constexpr = st_a.type.shape[2]
     BLOCK_H: gl.constexpr = p_bufs.type.shape[2]
@@ -449,7 +445,7 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
 
     mbarrier.wait(lfull.index(0), 0)
     l_i = l_s.load(HEADS)
-    oscale = gl.load(oscale)  # (where the cache's scale is)
+    oscale = gl.load(K_SCALE)
     SHAPE: gl.constexpr = value_order(HALF, BLOCK_H, True)[0]
     ORDER: gl.constexpr = value_order(HALF, BLOCK_H, True)[1]
     # the accumulators' rows back in the latent's order, transposed: [heads, L / 2]
@@ -574,45 +570,6 @@ def _tile_scores_f8(st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_de
         keys = gl.arange(0, BLOCK_N, gl.SliceLayout(1, ACC))
         s = gl.where((keys < n_valid)[:, None], s, float("-inf"))
     return s
-
-
-@jit
-def _scores_f8(qa_s: gl.shared_memory_descriptor, qpe_s: gl.shared_memory_descriptor,
-               st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
-               p_bufs: gl.shared_memory_descriptor, a_bufs: gl.shared_memory_descriptor,
-               l_s: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
-               kfree: gl.shared_memory_descriptor, pfull: gl.shared_memory_descriptor,
-               pfree: gl.shared_memory_descriptor, lfull: gl.shared_memory_descriptor,
-               n_tiles: gl.tensor, n_last: gl.tensor, qk_s: gl.shared_memory_descriptor,
-               LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor, sp: gl.tensor,
-               num_heads: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
-               single: gl.tensor) -> None:
-    """The scoring warpgroup of an E4M3 cache: :func:`_scores_w` with each tile's
-    scores from fp8 MMAs of its stored bytes by the query's two parts
-    (:func:`_tile_scores_f8`); no byte is read into registers or widened."""
-    BLOCK_N: gl.constexpr = st_a.type.shape[1]
-    BLOCK_H: gl.constexpr = qa_s.type.shape[1] // 2
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
-    HEADS: gl.constexpr = gl.SliceLayout(0, ACC)
-
-    l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, ACC)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, HEADS)
-    qk = qk_s.load(HEADS)
-    T: gl.constexpr = TILES_A_STEP
-    for j in range(gl.cdiv(n_tiles, T)):
-        s = (_tile_scores_f8(st_a, st_p, kfull, kfree, qa_s, qpe_s, T * j, n_tiles, n_last,
-                             ACC),)
-        for i in gl.static_range(1, T):
-            s_i = gl.full([BLOCK_N, BLOCK_H], float("-inf"), gl.float32, ACC)
-            if T * j + i < n_tiles:
-                s_i = _tile_scores_f8(st_a, st_p, kfull, kfree, qa_s, qpe_s, T * j + i,
-                                      n_tiles, n_last, ACC)
-            s = _append(s, s_i)
-        m_i, l_part = _softmax_step(s, m_i, l_part, qk, p_bufs, a_bufs, pfree, pfull, j)
-
-    _finish_scores(m_i, l_part, l_s, lfull, LSE_PART, t, hb, sp, num_heads, stride_lt,
-                   stride_lh, single)
 
 
 @jit
@@ -789,19 +746,14 @@ def mla_decode_few_heads_kernel(
                                                                           f8))
     else:
         q_s, qp_s = _query_buffers(dtype, BLOCK_H, HALF, ROPE)
-    if FP8 == 0:
-        oscale = _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh,
-                                  stride_et, stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s,
-                                  0, LOAD)
-    else:
-        # the scoring warpgroup writes an fp8 cache's query (:func:`_scores_r`) and the
-        # values' warpgroup reads the scale where it stores the output
-        oscale = K_SCALE
     # a partition's arguments are run-time values: the compile-time flag as a scalar
     single = (n_tiles * 0 + SINGLE) != 0
     page = n_tiles * 0 + PAGE
 
     if FP8 == 0:
+        oscale = _query_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh,
+                                  stride_et, stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s,
+                                  0, LOAD)
         # two buffers of a tile each: [buffer * 2 + half] latent halves, [buffer] rope
         ka_bufs, kp_bufs = _tile_buffers(LAT_DESC, PE_DESC, dtype, BLOCK_N, HALF, ROPE, FP8)
         sargs = (q_s, qp_s, ka_bufs, kp_bufs, p_bufs, a_bufs, l_s, kfull, pfull, pfree,
@@ -830,8 +782,9 @@ def mla_decode_few_heads_kernel(
                   lfull, n_tiles, n_last, qk_s, LSE_PART, t, hb, sp, num_heads,
                   stride_lt, stride_lh, single, C, Q, Q_PE, stride_qt, stride_qh,
                   stride_et, stride_eh, sm_scale, K_SCALE)
+        # (the scoring warpgroup writes the query: :func:`_scores_r`)
         rvargs = (st_a, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles,
-                  n_last, oscale, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
+                  n_last, K_SCALE, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh,
                   stride_pt, stride_ph, stride_ps, single, C)
         rlargs = (LAT_DESC, PE_DESC, BT, req, start, n_tiles, stride_bt, page, st_a, st_p,
                   kfull, kfree)
