@@ -89,6 +89,7 @@ from vllm.attention.ops.gluon_mla_decode_kernels import (
 from vllm.attention.ops.gluon_mla_lead_kernels import (
     _load,
     _query_buffers,
+    _query_pointers,
     _query_to_shared,
     _store_half,
     _store_lse,
@@ -505,13 +506,10 @@ def _query_f8_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tens
     HALF: gl.constexpr = qa_s.type.shape[2]
     ROPE: gl.constexpr = qpe_s.type.shape[1]
     CH: gl.constexpr = 128 if HALF >= 128 else HALF
-    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LOAD))
-    mask_h = (offs_h < num_heads)[:, None]
-    cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
-    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
-    xp = gl.load(Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :],
-                 mask=mask_h, other=0.0).to(gl.float32)
+    q_row, cols, qp_ptr, mask_h = _query_pointers(Q, Q_PE, t, hb, num_heads, stride_qt,
+                                                  stride_qh, stride_et, stride_eh, BLOCK_H,
+                                                  CH, ROPE, LOAD)
+    xp = gl.load(qp_ptr, mask=mask_h, other=0.0).to(gl.float32)
     amax = gl.max(gl.abs(xp), 1)
     xs = ()
     for c in gl.static_range(2 * HALF // CH):

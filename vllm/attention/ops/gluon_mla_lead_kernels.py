@@ -198,6 +198,24 @@ def _query_buffers(dtype: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexp
 
 
 @jit
+def _query_pointers(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tensor,
+                    num_heads: gl.tensor, stride_qt: gl.tensor, stride_qh: gl.tensor,
+                    stride_et: gl.tensor, stride_eh: gl.tensor, BLOCK_H: gl.constexpr,
+                    CH: gl.constexpr, ROPE: gl.constexpr, LOAD: gl.constexpr) -> gl.tensor:
+    """Where token ``t``'s query of head tile ``hb`` is, in ``LOAD``: the heads' rows of
+    the latent part (add ``c * CH + cols[None, :]`` for its ``c``-th ``CH`` columns),
+    ``cols``, the rope part's ``[BLOCK_H, ROPE]`` pointers, and the mask of the heads
+    there are. Returns ``(q_row, cols, qp_ptr, mask_h)``."""
+    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LOAD))
+    mask_h = (offs_h < num_heads)[:, None]
+    cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
+    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
+    qp_ptr = Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :]
+    return q_row, cols, qp_ptr, mask_h
+
+
+@jit
 def _query_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tensor,
                      num_heads: gl.tensor, stride_qt: gl.tensor, stride_qh: gl.tensor,
                      stride_et: gl.tensor, stride_eh: gl.tensor, sm_scale: gl.tensor,
@@ -220,12 +238,9 @@ def _query_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tensor,
     ROPE: gl.constexpr = qp_s.type.shape[1]
     dtype: gl.constexpr = q_s.dtype
     CH: gl.constexpr = 128 if HALF >= 128 else HALF
-    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LOAD))
-    mask_h = (offs_h < num_heads)[:, None]
-    cols = gl.arange(0, CH, gl.SliceLayout(0, LOAD))
-    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    offs_r = gl.arange(0, ROPE, gl.SliceLayout(0, LOAD))
-    qp_ptr = Q_PE + t * stride_et + offs_h[:, None] * stride_eh + offs_r[None, :]
+    q_row, cols, qp_ptr, mask_h = _query_pointers(Q, Q_PE, t, hb, num_heads, stride_qt,
+                                                  stride_qh, stride_et, stride_eh, BLOCK_H,
+                                                  CH, ROPE, LOAD)
     qk = gl.full([BLOCK_H], sm_scale * LOG2E, gl.float32, gl.SliceLayout(1, LOAD))
     oscale = sm_scale * 0.0 + 1.0
     if TOP != 0:
