@@ -476,3 +476,58 @@ def mla_decode_combine_kernel(
     res = res / tl.where(total > 0.0, total, 1.0)
     tl.store(OUT + t * stride_xt + h * stride_xh + offs_l, res.to(OUT.dtype.element_ty),
              mask=mask_l)
+
+
+@jit
+def mla_combine_project_kernel(
+    O_PART: tl.tensor, LSE_PART: tl.tensor, W_UV: tl.tensor, OUT: tl.tensor,
+    stride_pt: tl.tensor, stride_ph: tl.tensor, stride_ps: tl.tensor,
+    stride_lt: tl.tensor, stride_lh: tl.tensor, stride_wh: tl.tensor, stride_wl: tl.tensor,
+    stride_xt: tl.tensor, stride_xh: tl.tensor,
+    num_tokens: tl.tensor, num_splits: tl.tensor,
+    KV_LORA: tl.constexpr, V_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_LC: tl.constexpr, BLOCK_V: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+) -> None:
+    """``OUT[t, h] = o_lat[t, h] @ W_UV[h]`` for ``BLOCK_T`` tokens of head ``h``, where
+    ``o_lat`` is :func:`mla_decode_combine_kernel`'s result, rounded to ``OUT``'s dtype
+    as that kernel stores it: the splits' combine and the output projection in one
+    launch, the latent output never written. ``BLOCK_LC`` latent columns at a time:
+    their combine, then their product with those rows of ``W_UV[h]`` accumulated in
+    float32 (``DOT_FP32``: IEEE float32 operands, for float32 models and the
+    interpreter)."""
+    h = tl.program_id(0)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < num_tokens
+    rows_t = offs_t.to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_v = tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V_DIM
+    lse_rows = LSE_PART + rows_t[:, None] * stride_lt + h * stride_lh
+    lse = tl.load(lse_rows + offs_s[None, :],
+                  mask=mask_t[:, None] & (offs_s[None, :] < num_splits), other=float("-inf"))
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.math.exp2(lse - m[:, None]), 1)
+    total = tl.where(total > 0.0, total, 1.0)
+    part_rows = O_PART + rows_t[:, None] * stride_pt + h * stride_ph
+    acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+    for l0 in tl.static_range(0, KV_LORA, BLOCK_LC):
+        offs_l = l0 + tl.arange(0, BLOCK_LC)
+        mask_l = offs_l < KV_LORA
+        lat = tl.zeros([BLOCK_T, BLOCK_LC], tl.float32)
+        for s in range(0, BLOCK_S):
+            live = s < num_splits
+            w = tl.math.exp2(tl.load(lse_rows + s, mask=mask_t[:, None] & live,
+                                     other=float("-inf")) - m[:, None])
+            lat += w * tl.load(part_rows + s * stride_ps + offs_l[None, :],
+                               mask=mask_t[:, None] & mask_l[None, :] & live, other=0.0)
+        lat = (lat / total[:, None]).to(OUT.dtype.element_ty)
+        wt = tl.load(W_UV + h * stride_wh + offs_l[:, None].to(tl.int64) * stride_wl
+                     + offs_v[None, :], mask=mask_l[:, None] & mask_v[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(lat.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(lat, wt, acc)
+    tl.store(OUT + rows_t[:, None] * stride_xt + h * stride_xh + offs_v[None, :],
+             acc.to(OUT.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])
