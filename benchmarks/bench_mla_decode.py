@@ -16,12 +16,10 @@ fp8 (E4M3, scale 0.37) caches. Measured in the same run:
   import), the decode alone (``mla_decode_triton``: the Gluon kernel on sm_90, path
   ``gluon``, with the Triton kernel it replaced timed beside it; the Triton kernel
   elsewhere) and the per-row kernel (``mla_decode_per_row``), and the layer's pieces
-  one by one ("layer: write", "absorb", "decode, projected" on the layer's strided
-  inputs, as the layer runs it: its combine kernel projects; and the two steps that
-  replaced, "decode, latent" and "project"); with an E4M3 cache also the layer and
-  the decode on the opt-in fp8-MMA kernel ("layer fp8-mma", path ``gluon-fp8-mma``:
-  the query and the probabilities rounded to E4M3, checked against
-  ``FP8_MMA_TOLERANCE``).
+  one by one ("layer: write", "absorb", "decode" on the layer's strided inputs,
+  "project"); with an E4M3 cache also the layer and the decode on the opt-in fp8-MMA
+  kernel ("layer fp8-mma", path ``gluon-fp8-mma``: the query and the probabilities
+  rounded to E4M3, checked against ``FP8_MMA_TOLERANCE``).
 
 The roofline of a step is ``max(flops / matmul rate, bytes / read rate)`` with
 ``flops = 2 B N S (L + R) + 2 B N S L`` (scores and values) and ``bytes = B S (L + R)``
@@ -209,10 +207,8 @@ class Step:
     def parts(self) -> dict[str, Callable[[], object]]:
         """The layer's decode step piece by piece, as its forward runs them (a pure
         decode batch: the query and output rows are read and written in place): the
-        cache write, the query absorption, and the decode on the strided absorbed query
-        and rope part with the output projection done by its combine kernel into the
-        output rows ("decode, projected"); beside them, the two steps that replaced
-        (the decode's latent output, then the projection as a batched matmul)."""
+        cache write, the query absorption, the decode kernel on the strided absorbed
+        query and rope part, and the output projection into the output rows."""
         from vllm.attention.ops.triton_mla import mla_decode_triton
 
         layer, m, proj = self.layer, self.meta, self.spec.projection
@@ -223,18 +219,17 @@ class Step:
                             device=self.q.device)
         out3 = self.out.view(self.q.shape[0], self.spec.num_heads, V)
 
-        def decode(**projection: Any) -> Callable[[], torch.Tensor]:
-            return lambda: mla_decode_triton(
-                absorbed, self.cache, m.block_table, m.decode_token_req, m.decode_token_pos,
-                fmt, scale=self.spec.scale, max_seq_len=m.max_decode_seq_len,
-                out_dtype=self.q.dtype, q_pe=q_pe, **projection)
+        def decode() -> torch.Tensor:
+            return mla_decode_triton(absorbed, self.cache, m.block_table, m.decode_token_req,
+                                     m.decode_token_pos, fmt, scale=self.spec.scale,
+                                     max_seq_len=m.max_decode_seq_len, out_dtype=self.q.dtype,
+                                     q_pe=q_pe)
 
         return {
             "write": lambda: layer.kv_cache_writer.write(
                 self.kv_c, self.k_pe, self.cache, self.batch.new_slots, layer.kv_quant),
             "absorb": lambda: proj.absorb_query(q_nope),
-            "decode, projected": decode(w_uv=proj.w_uv, project_out=out3),
-            "decode, latent": decode(),
+            "decode": decode,
             "project": lambda: proj.project_output(o_lat, out=out3),
         }
 

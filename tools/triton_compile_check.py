@@ -216,14 +216,12 @@ def record_mla(target: Target) -> list[Call]:
     # the dense decode's tensor-core kernel, with the launch the target's GPU gets
     drec = (Recorder("mla_decode", dkern.mla_decode_mma_kernel, calls),
             Recorder("mla_decode_combine", dkern.mla_decode_combine_kernel, calls))
-    project = Recorder("mla_decode_combine_project", dkern.mla_combine_project_kernel, calls)
     bt = torch.zeros(2, 4, dtype=torch.int32)
     req = torch.tensor([0, 1], dtype=torch.int32)
     pos = torch.tensor([30, 100], dtype=torch.int32)
     with as_gpu(target.gpu), \
             patched(triton_mla, _kernels=lambda interp: rec, _interpreting=lambda: False), \
             patched(triton_mla_decode, _kernels=lambda interp: drec,
-                    _project_kernel=lambda interp: project,
                     _gluon_kernel=lambda: Recorder("mla_decode_gluon",
                                                    gkern.mla_decode_gluon_kernel, calls),
                     _lead_kernel=lambda: Recorder("mla_decode_lead",
@@ -243,11 +241,6 @@ def record_mla(target: Target) -> list[Call]:
             q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
             triton_mla.mla_decode_triton(q, cache, bt, req, pos, fmt, scale=0.1,
                                          max_seq_len=101)
-            if cdt != "fp8_ds_mla":  # the layer's launch: the combine kernel projects
-                triton_mla.mla_decode_triton(
-                    q, cache, bt, req, pos, fmt, scale=0.1, max_seq_len=101, num_splits=2,
-                    out_dtype=torch.bfloat16, w_uv=torch.zeros(16, 512, 128,
-                                                               dtype=torch.bfloat16))
             if cdt != "fp8_ds_mla":  # 16 heads on the lead kernel where the default is
                 # the few-heads one (sm_90)
                 cfg16 = triton_mla_decode.default_config(torch.bfloat16, target.gpu)

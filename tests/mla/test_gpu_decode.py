@@ -69,34 +69,6 @@ def test_deepseek_shape_against_float64(heads: int, cache_dtype: str,
     assert _err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("splits", [1, 2, 13], ids=lambda s: f"splits{s}")
-@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
-@pytest.mark.parametrize("heads", [16, 128])
-def test_projected_decode_against_float64(heads: int, cache_dtype: str, splits: int) -> None:
-    """``w_uv`` given: the combine kernel projects as it combines (one split: a batched
-    matmul), into the rows of ``project_out`` and nowhere else, within the tolerance
-    of the float64 latent output projected in float64."""
-    from vllm.attention.ops.triton_mla_decode import mla_decode_mma
-
-    x = _inputs(heads, cache_dtype, seed=5)
-    g = torch.Generator().manual_seed(6)
-    w = (torch.randn(heads, L, 128, generator=g) * L ** -0.5).bfloat16().cuda()
-    t = x["q"].shape[0]
-    rows = torch.randn(t + 2, heads, 128, generator=g).bfloat16().cuda()
-    before = rows.clone()
-    scale = 192 ** -0.5
-    out = mla_decode_mma(x["q"], x["cache"], x["bt"], x["req"], x["pos"], x["fmt"],
-                         scale=scale, max_seq_len=max(SEQ_LENS), num_splits=splits,
-                         out_dtype=torch.bfloat16, w_uv=w, project_out=rows[1:-1])
-    assert out.data_ptr() == rows[1].data_ptr()
-    assert torch.equal(rows[0], before[0]) and torch.equal(rows[-1], before[-1])
-    lat = latent_decode_reference(x["q"], x["cache"], x["bt"], x["tokens"], L, scale,
-                                  x["k_scale"])
-    ref = torch.einsum("tnl,nlv->tnv", lat, w.double())
-    assert torch.isfinite(out).all()
-    assert _err(out, ref) < TOL
-
-
 VARIANTS = {  # name: MLADecodeConfig arguments
     "bh64-bn64-w8-s2-1chunk-split": dict(block_h=64, block_n=64, num_warps=8, num_stages=2,
                                          latent_chunks=1, split_scores=True),

@@ -113,7 +113,6 @@ class Rec:
     def __getitem__(self, grid):
         return lambda *a, **k: calls.append((self.fn, a, k))
 tmd._kernels = lambda interp: (Rec(kern.mla_decode_mma_kernel), Rec(kern.mla_decode_combine_kernel))
-tmd._project_kernel = lambda interp: Rec(kern.mla_combine_project_kernel)
 tmd._gluon_kernel = lambda: Rec(gkern.mla_decode_gluon_kernel)
 from vllm.attention.ops import gluon_mla_lead_kernels as lkern
 tmd._lead_kernel = lambda: Rec(lkern.mla_decode_lead_kernel)
@@ -150,12 +149,8 @@ for cap in (80, 90, 100):
                    "split": dataclasses.replace(base, lead=False),
                    "lead": dataclasses.replace(base, few_heads=False),
                    "fp8mma": dataclasses.replace(base, fp8_mma=True)}.get(engine)
-            # the default launches as the layer makes them: the combine kernel projects
-            # the output (the other engines keep the plain combine kernel)
-            w_uv = torch.zeros(heads, 512, 128, dtype=torch.bfloat16) if cfg is None else None
             tmd.mla_decode_mma(q, cache, bt, t, t, fmt, scale=0.1, max_seq_len=4096,
-                               num_splits=splits, out_dtype=torch.bfloat16, config=cfg,
-                               w_uv=w_uv)
+                               num_splits=splits, out_dtype=torch.bfloat16, config=cfg)
             for fn, a, k in calls:
                 c = compile_like_jit(fn, a, dict(k), GPUTarget("cuda", cap, 32))
                 name = f"sm{cap} {cdt} N={heads} splits={splits} {engine} {fn.__name__}"

@@ -270,67 +270,6 @@ def test_query_parts_taken_as_strided_views() -> None:
                        q_pe=q[..., 32:40])
 
 
-@pytest.mark.usefixtures("triton_interpreter")
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
-                         ids=lambda d: str(d).split(".")[-1])
-def test_projected_output_matches_the_latent_output_projected(dtype: torch.dtype,
-                                                              splits: int) -> None:
-    """With ``w_uv`` the decode returns ``o_lat[:, n] @ w_uv[n]`` (one split: a batched
-    matmul after the kernel; more: the combine kernel projects as it combines), within
-    the backend's tolerance of float64 and of the two-step result, written into the
-    rows of ``project_out`` and nowhere else."""
-    from vllm.attention.ops.mla_attention import project_heads
-    from vllm.attention.ops.triton_mla import mla_decode_triton
-    from vllm.attention.ops.triton_mla_decode import mla_decode_mma
-
-    case = Case("auto", dtype, 32, 16, 3, 16, splits)
-    fmt, cache, bt, req, pos, q = _inputs(case, seed=5)
-    g = torch.Generator().manual_seed(6)
-    v = 24  # no power of two: the kernel masks its value columns
-    w = (torch.randn(case.heads, case.L, v, generator=g) * case.L ** -0.5).to(dtype)
-    kw: dict[str, Any] = dict(scale=0.2, max_seq_len=64, num_splits=splits, out_dtype=dtype)
-    lat = mla_decode_mma(q, cache, bt, req, pos, fmt, **kw)
-    two_step = project_heads(lat, w)
-    rows = torch.randn(len(TOKENS) + 2, case.heads, v, generator=g).to(dtype)
-    before = rows.clone()
-    got = mla_decode_mma(q, cache, bt, req, pos, fmt, w_uv=w, project_out=rows[1:-1], **kw)
-    assert got.data_ptr() == rows[1].data_ptr() and got.shape == (len(TOKENS), case.heads, v)
-    assert torch.equal(rows[0], before[0]) and torch.equal(rows[-1], before[-1])
-    ref = torch.einsum("tnl,nlv->tnv", reference(q, cache, bt, TOKENS, fmt, 0.2), w.double())
-    tol = get_backend("TRITON_MLA").tolerances[dtype]
-    assert float((got.double() - ref).norm() / ref.norm()) < tol
-    assert float((got.double() - two_step.double()).norm() / ref.norm()) < tol
-    # without project_out: a new tensor; through mla_decode_triton: the same launch
-    fresh = mla_decode_triton(q, cache, bt, req, pos, fmt, w_uv=w, **kw)
-    torch.testing.assert_close(fresh, got, rtol=0, atol=0)
-
-
-def test_projection_arguments_are_checked() -> None:
-    """A wrong ``w_uv`` or ``project_out`` is refused before any launch, naming it."""
-    from vllm.attention.ops.triton_mla_decode import mla_decode_mma
-
-    fmt = LatentFormat("auto", 32, 16, torch.ones(1), torch.bfloat16)
-    q = torch.zeros(2, 3, 48, dtype=torch.bfloat16)
-    cache = torch.zeros(1, 16, 48, dtype=torch.bfloat16)
-    bt = torch.zeros(1, 1, dtype=torch.int32)
-    t = torch.zeros(2, dtype=torch.int32)
-    w = torch.zeros(3, 32, 8, dtype=torch.bfloat16)
-    kw: dict[str, Any] = dict(scale=1.0, max_seq_len=1, out_dtype=torch.bfloat16)
-    with pytest.raises(InvalidArgumentError, match=r"w_uv: got \(\(3, 30, 8\)"):
-        mla_decode_mma(q, cache, bt, t, t, fmt, w_uv=w[:, :30], **kw)
-    with pytest.raises(InvalidArgumentError, match=r"w_uv: got .*torch.int32"):
-        mla_decode_mma(q, cache, bt, t, t, fmt, w_uv=w.to(torch.int32), **kw)
-    with pytest.raises(InvalidArgumentError, match="project_out: got .*None without w_uv"):
-        mla_decode_mma(q, cache, bt, t, t, fmt, project_out=torch.zeros(2, 3, 8), **kw)
-    with pytest.raises(InvalidArgumentError, match=r"project_out: got \(\(2, 3, 8\), 'torch.float32'"):
-        mla_decode_mma(q, cache, bt, t, t, fmt, w_uv=w, project_out=torch.zeros(2, 3, 8), **kw)
-    with pytest.raises(InvalidArgumentError, match=r"project_out: got \(\(2, 3, 8\)"):
-        mla_decode_mma(q, cache, bt, t, t, fmt, w_uv=w,
-                       project_out=torch.zeros(2, 8, 3, dtype=torch.bfloat16).transpose(1, 2),
-                       **kw)
-
-
 def test_errors_name_the_argument() -> None:
     from vllm.attention.ops.triton_mla_decode import MLADecodeConfig, mla_decode_mma
 

@@ -49,21 +49,6 @@ class LatentFormat:
         return self.kv_lora_rank + self.rope_dim
 
 
-def project_heads(o_lat: torch.Tensor, w_uv: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """``[T, N, L]`` -> ``[T, N, V]``: ``o_lat[:, n] @ w_uv[n]`` for each head (one
-    batched matmul, in ``o_lat.dtype``; ``w_uv`` ``[N, L, V]`` is converted to it);
-    into ``out`` (``[T, N, V]``, that dtype, unit stride on the last axis) when given."""
-    w = w_uv.to(device=o_lat.device, dtype=o_lat.dtype)
-    if out is None:
-        return torch.bmm(o_lat.transpose(0, 1), w).transpose(0, 1)
-    if torch.is_grad_enabled() and (o_lat.requires_grad or w.requires_grad):
-        # out= takes no part in autograd
-        return out.copy_(torch.bmm(o_lat.transpose(0, 1), w).transpose(0, 1))
-    torch.bmm(o_lat.transpose(0, 1), w, out=out.transpose(0, 1))
-    return out
-
-
 def decode_latent_rows(rows: torch.Tensor, fmt: LatentFormat,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Cache rows ``[..., entry]`` as ``dtype`` ``[..., L + R]`` (dequantised)."""

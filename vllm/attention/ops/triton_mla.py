@@ -20,7 +20,7 @@ import torch
 
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.layouts import FP8_DS_MLA_TILE
-from vllm.attention.ops.mla_attention import LatentFormat, project_heads
+from vllm.attention.ops.mla_attention import LatentFormat
 from vllm.attention.writers.kernels.device import hardware_fp8
 
 _NATIVE, _FP8, _FP8_DS = 0, 1, 2
@@ -118,9 +118,7 @@ def mla_decode_triton(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: 
                       token_req: torch.Tensor, token_pos: torch.Tensor, fmt: LatentFormat, *,
                       scale: float, max_seq_len: int, num_splits: int | None = None,
                       out_dtype: torch.dtype = torch.float32,
-                      q_pe: torch.Tensor | None = None, fp8_mma: bool = False,
-                      w_uv: torch.Tensor | None = None,
-                      project_out: torch.Tensor | None = None) -> torch.Tensor:
+                      q_pe: torch.Tensor | None = None, fp8_mma: bool = False) -> torch.Tensor:
     """Dense absorbed decode, causal: the tensor-core kernel where it applies, else
     (``fp8_ds_mla``) the per-row kernel.
 
@@ -135,35 +133,20 @@ def mla_decode_triton(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: 
         out_dtype: the result's dtype.
         fp8_mma: with an E4M3 cache, on sm_90, the fp8-MMA kernel (the query and the
             probabilities rounded to E4M3: ``MLADecodeConfig.fp8_mma``).
-        w_uv, project_out: the output projected by ``w_uv`` ``[N, L, V]``, into
-            ``project_out`` ``[Td, N, V]`` when given (as
-            :func:`~vllm.attention.ops.triton_mla_decode.mla_decode_mma`, whose combine
-            kernel projects; after the per-row kernel, a batched matmul).
     Returns:
-        ``[Td, N, L]`` in ``out_dtype``, or with ``w_uv`` ``[Td, N, V]``.
+        ``[Td, N, L]`` in ``out_dtype``.
     """
-    from vllm.attention.ops.triton_mla_decode import (
-        check_projection,
-        mla_decode_mma,
-        unsupported_reasons,
-    )
+    from vllm.attention.ops.triton_mla_decode import mla_decode_mma, unsupported_reasons
 
     if not unsupported_reasons(fmt, q_lat.dtype):
         return mla_decode_mma(q_lat, kv_cache, block_table, token_req, token_pos, fmt,
                               scale=scale, max_seq_len=max_seq_len, num_splits=num_splits,
-                              out_dtype=out_dtype, q_pe=q_pe, fp8_mma=fp8_mma, w_uv=w_uv,
-                              project_out=project_out)
-    t, n = q_lat.shape[:2]
-    projected = check_projection(w_uv, project_out, t, n, fmt.kv_lora_rank, out_dtype,
-                                 q_lat.device)
+                              out_dtype=out_dtype, q_pe=q_pe, fp8_mma=fp8_mma)
     if q_pe is not None:
         q_lat = torch.cat([q_lat, q_pe], dim=-1)
-    o_lat = mla_decode_per_row(q_lat, kv_cache, block_table, token_req, token_pos, fmt,
-                               scale=scale, max_seq_len=max_seq_len,
-                               num_splits=num_splits).to(out_dtype)
-    if projected is None or w_uv is None:
-        return o_lat
-    return project_heads(o_lat, w_uv, projected)
+    return mla_decode_per_row(q_lat, kv_cache, block_table, token_req, token_pos, fmt,
+                              scale=scale, max_seq_len=max_seq_len,
+                              num_splits=num_splits).to(out_dtype)
 
 
 def mla_decode_per_row(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

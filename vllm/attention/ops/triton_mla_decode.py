@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from vllm.attention.errors import InvalidArgumentError
-from vllm.attention.ops.mla_attention import LatentFormat, project_heads
+from vllm.attention.ops.mla_attention import LatentFormat
 from vllm.attention.writers.kernels.device import GPU, gpu_of, multiprocessors
 
 MAX_SPLITS = 64
@@ -235,18 +235,6 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
 
     k = load_kernel_module("vllm.attention.ops.triton_mla_decode_kernels", interpret=interpret)
     return k.mla_decode_mma_kernel, k.mla_decode_combine_kernel
-
-
-_PROJECT_TOKENS = 16
-"""Tokens a program of :func:`mla_combine_project_kernel` projects (the M of its dots)."""
-
-
-def _project_kernel(interpret: bool) -> Any:
-    """The combine kernel that also projects (:func:`mla_combine_project_kernel`)."""
-    from vllm.attention.ops.triton_loader import load_kernel_module
-
-    k = load_kernel_module("vllm.attention.ops.triton_mla_decode_kernels", interpret=interpret)
-    return k.mla_combine_project_kernel
 
 
 def _tma_rows(cache: torch.Tensor) -> torch.Tensor | None:
@@ -490,9 +478,8 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                    token_req: torch.Tensor, token_pos: torch.Tensor, fmt: LatentFormat, *,
                    scale: float, max_seq_len: int, config: MLADecodeConfig | None = None,
                    num_splits: int | None = None, out_dtype: torch.dtype = torch.float32,
-                   q_pe: torch.Tensor | None = None, fp8_mma: bool | None = None,
-                   w_uv: torch.Tensor | None = None,
-                   project_out: torch.Tensor | None = None) -> torch.Tensor:
+                   q_pe: torch.Tensor | None = None, fp8_mma: bool | None = None
+                   ) -> torch.Tensor:
     """Dense absorbed decode, causal, on tensor cores.
 
     Args:
@@ -509,17 +496,8 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
             ``num_splits`` overrides its split count.
         out_dtype: the result's dtype.
         fp8_mma: overrides ``config.fp8_mma`` (None: the config's).
-        w_uv: ``[N, L, V]``: return the output projected, ``o_lat[:, n] @ w_uv[n]``
-            with ``o_lat`` rounded to ``out_dtype`` first (as
-            :func:`~vllm.attention.ops.mla_attention.project_heads` of the unprojected
-            result); with splits, the combine kernel projects as it combines
-            (:func:`mla_combine_project_kernel`) and the latent output is never stored.
-        project_out: ``[Td, N, V]`` in ``out_dtype`` (unit stride on the last axis, e.g.
-            the decode rows of a layer's output): where the projected output goes
-            (``w_uv`` given).
     Returns:
-        ``[Td, N, L]`` in ``out_dtype``, or with ``w_uv`` ``[Td, N, V]``
-        (``project_out`` when given).
+        ``[Td, N, L]`` in ``out_dtype``.
     """
     reasons = unsupported_reasons(fmt, q_lat.dtype)
     if reasons:
@@ -543,10 +521,9 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         raise InvalidArgumentError(
             "kv_cache", (tuple(kv_cache.shape), tuple(kv_cache.stride())),
             f"(nb, bs, {L + R}) with a unit stride on the last axis")
-    projected = check_projection(w_uv, project_out, t, n, L, out_dtype, q_lat.device)
     out = torch.empty(t, n, L, dtype=out_dtype, device=q_lat.device)
     if t == 0:
-        return out if projected is None else projected
+        return out
     interp = _interpreting()
     num_sms, gpu = (1, None) if interp else _device_facts(q_lat.device)
     fp8 = _FP8_CODES.get(kv_cache.dtype, 0)
@@ -638,54 +615,12 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                        block_n=block_n, block_h=block_h, head_tiles=head_tiles, chunks=chunks,
                        lc=lc, block_r=block_r, v_split=v_split, scale=scale,
                        max_seq_len=max_seq_len)
-    if projected is not None and w_uv is not None:
-        if single:
-            return project_heads(out, w_uv, projected)
-        w = w_uv.to(device=q.device, dtype=out_dtype)
-        w = w if w.stride(2) == 1 else w.contiguous()
-        v = int(w.shape[2])
-        _project_kernel(interp)[(n, -(-t // _PROJECT_TOKENS))](
-            o_part, lse_part, w, projected, *part_strides, w.stride(0), w.stride(1),
-            projected.stride(0), projected.stride(1), t, splits,
-            KV_LORA=L, V_DIM=v, BLOCK_T=_PROJECT_TOKENS, BLOCK_S=_next_pow2(splits),
-            BLOCK_LC=min(64, block_l), BLOCK_V=max(16, _next_pow2(v)),
-            DOT_FP32=_dot_fp32(out_dtype, interp), num_warps=4,
-        )
-        return projected
     if not single:
         combine_kernel[(n, t)](
             o_part, lse_part, out, *part_strides, out.stride(0), out.stride(1), splits,
             KV_LORA=L, BLOCK_S=_next_pow2(splits), BLOCK_L=block_l, num_warps=4,
         )
     return out
-
-
-def check_projection(w_uv: torch.Tensor | None, project_out: torch.Tensor | None, t: int,
-                     n: int, kv_lora_rank: int, out_dtype: torch.dtype,
-                     device: torch.device) -> torch.Tensor | None:
-    """Checks :func:`mla_decode_mma`'s ``w_uv`` and ``project_out`` (before anything is
-    launched) and returns where the projected output goes: ``project_out``, a new
-    ``[t, n, V]`` tensor, or None without ``w_uv``."""
-    if w_uv is None:
-        if project_out is not None:
-            raise InvalidArgumentError("project_out", tuple(project_out.shape),
-                                       "None without w_uv (it is the projected output)")
-        return None
-    if (w_uv.dim() != 3 or tuple(w_uv.shape[:2]) != (n, kv_lora_rank) or w_uv.shape[2] < 1
-            or w_uv.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
-        raise InvalidArgumentError("w_uv", (tuple(w_uv.shape), str(w_uv.dtype)),
-                                   f"[{n}, {kv_lora_rank}, V] float16 / bfloat16 / float32")
-    v = int(w_uv.shape[2])
-    if project_out is None:
-        return torch.empty(t, n, v, dtype=out_dtype, device=device)
-    if (tuple(project_out.shape) != (t, n, v) or project_out.dtype != out_dtype
-            or project_out.device != device
-            or (project_out.numel() and project_out.stride(2) != 1)):
-        raise InvalidArgumentError(
-            "project_out", (tuple(project_out.shape), str(project_out.dtype),
-                            str(project_out.device)),
-            f"[{t}, {n}, {v}] in {out_dtype} on {device}, unit stride on the last axis")
-    return project_out
 
 
 def _launch_triton(q: torch.Tensor, qe: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor,

@@ -342,12 +342,13 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
             path = self.decode_path(query.device, meta)
             rows = meta.decode_rows
             q = query[meta.decode_token_idx] if rows is None else query[rows]
-            # the output projection writes its rows of the output directly where they
-            # are one slice in the model dtype
-            target = out3[rows] if rows is not None and output.dtype == query.dtype else None
-            o = self._decode(path, q, kv_cache, meta, fmt, project_out=target)
-            if target is None:
-                out3[meta.decode_token_idx] = o.to(output.dtype)
+            o_lat = self._decode(path, q, kv_cache, meta, fmt).to(query.dtype)
+            if rows is not None and output.dtype == query.dtype:
+                # the output projection writes its rows of the output directly
+                spec.projection.project_output(o_lat, out=out3[rows])
+            else:
+                out3[meta.decode_token_idx] = spec.projection.project_output(
+                    o_lat).to(output.dtype)
             paths.append(path)
         if meta.num_prefill_tokens:
             q = query[meta.prefill_token_idx]
@@ -366,35 +367,25 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
         return torch.cat([ql_nope, q[..., p:]], dim=-1)
 
     def _decode(self, path: ComputePath, q: torch.Tensor, kv_cache: torch.Tensor,
-                meta: MLAMetadata, fmt: LatentFormat, *,
-                project_out: torch.Tensor | None = None) -> torch.Tensor:
-        """``q`` ``[Td, N, P + R]`` -> the projected output ``[Td, N, V]`` in ``q``'s
-        dtype on ``path`` (into ``project_out`` when given: ``[Td, N, V]``, that dtype,
-        unit stride on the last axis)."""
-        if path == "triton":
-            from vllm.attention.ops.triton_mla import mla_decode_triton
-
-            # the kernel reads the absorbed part and the rope part where they are (no
-            # [Td, N, L + R] copy); its combine kernel projects the latent output (the
-            # model dtype) as it combines the splits and writes the output's rows
-            p = self.mla.qk_nope_head_dim
-            return mla_decode_triton(
-                self.mla.projection.absorb_query(q[..., :p]), kv_cache, meta.block_table,
-                meta.decode_token_req, meta.decode_token_pos, fmt, scale=self.mla.scale,
-                max_seq_len=meta.max_decode_seq_len, out_dtype=q.dtype, q_pe=q[..., p:],
-                fp8_mma=self.fp8_mma, w_uv=self.mla.projection.w_uv, project_out=project_out,
-            )
-        o_lat = self._decode_latent(path, q, kv_cache, meta, fmt).to(q.dtype)
-        return self.mla.projection.project_output(o_lat, out=project_out)
-
-    def _decode_latent(self, path: ComputePath, q: torch.Tensor, kv_cache: torch.Tensor,
-                       meta: MLAMetadata, fmt: LatentFormat) -> torch.Tensor:
-        """``q`` ``[Td, N, P + R]`` -> ``[Td, N, L]`` float32 on the torch path or
-        ``path``'s vendor kernel."""
+                meta: MLAMetadata, fmt: LatentFormat) -> torch.Tensor:
+        """``q`` ``[Td, N, P + R]`` -> ``[Td, N, L]`` on ``path`` (float32, or the model
+        dtype on the Triton path)."""
         scale = self.mla.scale
         if path == "torch":
             return mla_decode_torch(self._absorb(q), kv_cache, meta.block_table,
                                     meta.decode_groups, fmt, scale=scale)
+        if path == "triton":
+            from vllm.attention.ops.triton_mla import mla_decode_triton
+
+            # the kernel reads the absorbed part and the rope part where they are (no
+            # [Td, N, L + R] copy) and writes the model dtype the output projection takes
+            p = self.mla.qk_nope_head_dim
+            return mla_decode_triton(
+                self.mla.projection.absorb_query(q[..., :p]), kv_cache, meta.block_table,
+                meta.decode_token_req, meta.decode_token_pos, fmt, scale=scale,
+                max_seq_len=meta.max_decode_seq_len, out_dtype=q.dtype, q_pe=q[..., p:],
+                fp8_mma=self.fp8_mma,
+            )
         v = self.vendor
         if v is None or path != v.name:
             raise InvalidArgumentError(

@@ -14,7 +14,6 @@ import torch
 
 from vllm.attention.backend import AttentionLayerSpec
 from vllm.attention.errors import InvalidArgumentError, InvalidTypeError
-from vllm.attention.ops.mla_attention import project_heads
 from vllm.attention.types import AttentionType, KVCacheDType
 
 
@@ -69,7 +68,14 @@ class MLAProjection:
         """``[T, N, L]`` -> ``[T, N, V]`` (``o_lat[n] @ W_UV[n]``), in ``o_lat.dtype``;
         into ``out`` (``[T, N, V]``, that dtype, unit stride on the last axis: the
         rows of a layer's output) when given."""
-        return project_heads(o_lat, self.w_uv, out)
+        w = self.w_uv.to(device=o_lat.device, dtype=o_lat.dtype)
+        if out is None:
+            return torch.bmm(o_lat.transpose(0, 1), w).transpose(0, 1)
+        if torch.is_grad_enabled() and (o_lat.requires_grad or w.requires_grad):
+            # out= takes no part in autograd
+            return out.copy_(torch.bmm(o_lat.transpose(0, 1), w).transpose(0, 1))
+        torch.bmm(o_lat.transpose(0, 1), w, out=out.transpose(0, 1))
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
