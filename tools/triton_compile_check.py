@@ -120,7 +120,8 @@ def _sig(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
          ) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
     names = list(fn.arg_names)
     options: dict[str, Any] = {k: kwargs.pop(k) for k in ("num_warps", "num_stages",
-                                                          "enable_fp_fusion", "maxnreg")
+                                                          "enable_fp_fusion", "maxnreg",
+                                                          "launch_pdl")
                                if k in kwargs}
     sig: dict[str, str] = {}
     consts: dict[str, Any] = {}
@@ -143,6 +144,10 @@ def _sig(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     if "num_warps" in names and "num_warps" in options:  # a Gluon kernel's parameter too
         sig["num_warps"] = "constexpr"
         consts["num_warps"] = options["num_warps"]
+    for param in fn.params:  # constexpr parameters left at their defaults
+        if param.name not in sig and param.is_constexpr and param.has_default:
+            sig[param.name] = "constexpr"
+            consts[param.name] = param.default
     missing = set(names) - set(sig)
     if missing:
         raise TypeError(f"unbound kernel args {missing}")

@@ -160,6 +160,19 @@ for cap in (80, 90, 100):
                     bad.append("lowered to a bare trap")
                 if c.metadata.shared > SMEM[cap]:
                     bad.append(f"shared {c.metadata.shared} > {SMEM[cap]}")
+                # programmatic dependent launch: the few-heads kernel and the combine
+                # after it, each waiting for the grid before it ahead of its first read
+                few = any(f.__name__ == "mla_decode_few_heads_kernel" for f, _, _ in calls)
+                pdl = few and fn.__name__ in ("mla_decode_few_heads_kernel",
+                                              "mla_decode_combine_kernel")
+                waits = ptx.find("griddepcontrol.wait")
+                reads = [i for i in (ptx.find("ld.global"), ptx.find("cp.async.bulk"))
+                         if i >= 0]
+                if bool(c.metadata.launch_pdl) != pdl or (waits >= 0) != pdl:
+                    bad.append(f"launch_pdl={c.metadata.launch_pdl}, griddepcontrol.wait "
+                               f"{'in' if waits >= 0 else 'not in'} the PTX (expected {pdl})")
+                elif pdl and reads and min(reads) < waits:
+                    bad.append("a global read before griddepcontrol.wait")
                 if cap == 90:
                     regs, spilled = spill_bytes(c.asm["cubin"])
                     name += f" regs={regs}"

@@ -164,6 +164,19 @@ def value_order(HALF: Any, N: Any, back: Any) -> tuple[list[int], list[int]]:
 
 
 @jit
+def _after_the_grid_before() -> None:
+    """Programmatic dependent launch (the launcher sets ``launch_pdl``): wait until the
+    grids this one depends on have completed and their writes are visible (no read of
+    this kernel comes before; the partitions start after it), then let the next grid,
+    the splits' combine (which waits likewise), launch while this one runs. Both
+    instructions do nothing in a grid launched without it."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@jit
 def _score_operand(raw: gl.shared_memory_descriptor, FP8: gl.constexpr,
                    DOT: gl.constexpr) -> gl.tensor:
     """A score MMA's A operand from a tile's stored bytes ``raw`` (``[64, W]``): read 16
@@ -703,6 +716,7 @@ def mla_decode_few_heads_kernel(
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     F32_ROW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
+    _after_the_grid_before()
     hb, sp, t, req, start, end, n_tiles, n_last = _program_keys(TOK_REQ, TOK_POS,
                                                                 num_splits, BLOCK_N)
 

@@ -596,7 +596,8 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         if use_fp8_mma:  # its copies are of E4M3 bytes
             kernel = _fp8_mma_kernel()
         if use_few:
-            kernel = _few_heads_kernel()
+            # a programmatic dependent launch (it waits for the grid before it first)
+            kernel, launch = _few_heads_kernel(), {**launch, "launch_pdl": True}
         lat_d, pe_d = _gluon_descriptors(kv_cache if use_fp8_mma else cache, L, R,
                                          lat_width=L // 2 if use_lead else None)
         kernel[(head_tiles, splits, t)](
@@ -616,9 +617,12 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                        lc=lc, block_r=block_r, v_split=v_split, scale=scale,
                        max_seq_len=max_seq_len)
     if not single:
+        # after the few-heads kernel, a programmatic dependent launch: that kernel lets
+        # it launch while it runs, and it waits for that grid's end before reading
+        pdl = {"PDL": True, "launch_pdl": True} if use_few else {}
         combine_kernel[(n, t)](
             o_part, lse_part, out, *part_strides, out.stride(0), out.stride(1), splits,
-            KV_LORA=L, BLOCK_S=_next_pow2(splits), BLOCK_L=block_l, num_warps=4,
+            KV_LORA=L, BLOCK_S=_next_pow2(splits), BLOCK_L=block_l, num_warps=4, **pdl,
         )
     return out
 

@@ -452,10 +452,15 @@ def mla_decode_combine_kernel(
     stride_lt: tl.tensor, stride_lh: tl.tensor, stride_xt: tl.tensor, stride_xh: tl.tensor,
     num_splits: tl.tensor,
     KV_LORA: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
+    PDL: tl.constexpr = False,
 ) -> None:
     """``OUT[t, h]`` from the splits' normalised outputs, weighted by ``2**lse``
     (a split that saw no key has ``lse = -inf`` and weight 0). ``BLOCK_S``: a power
-    of two ``>= num_splits``."""
+    of two ``>= num_splits``. ``PDL`` (NVIDIA sm_90+, launched with ``launch_pdl``):
+    the grid may start before the decode's has finished, and waits for it before its
+    first read."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     h = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
