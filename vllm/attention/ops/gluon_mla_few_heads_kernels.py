@@ -78,6 +78,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from vllm.attention.ops.gluon_mla_decode_kernels import (
     LOG2E,
@@ -169,11 +170,10 @@ def _after_the_grid_before() -> None:
     grids this one depends on have completed and their writes are visible (no read of
     this kernel comes before; the partitions start after it), then let the next grid,
     the splits' combine (which waits likewise), launch while this one runs. Both
-    instructions do nothing in a grid launched without it."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                              dtype=gl.int32, is_pure=False, pack=1)
+    instructions do nothing in a grid launched without it (Triton's own
+    ``griddepcontrol`` wrappers)."""
+    gdc_wait()
+    gdc_launch_dependents()
 
 
 @jit
