@@ -1,4 +1,4 @@
-"""The nine standard backends on a real GPU (skipped without CUDA).
+"""The ten standard backends on a real GPU (skipped without CUDA).
 
 * the conformance kit on every backend, on its default CUDA path;
 * each vendor kernel that imports here runs (``last_compute_path`` names it) on a call
