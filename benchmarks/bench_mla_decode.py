@@ -131,6 +131,11 @@ class Step:
         self.q = torch.randn(batch, heads, P + R, **bf)
         self.kv_c = torch.randn(batch, L, **bf)
         self.k_pe = torch.randn(batch, R, **bf)
+        # the step's own rows too (each layer call writes the same bytes there again): the
+        # cache is allocated uninitialised, and the decode alone (kernel(), check()) reads
+        # those slots whether or not a layer call came first
+        self.layer.kv_cache_writer.write(self.kv_c, self.k_pe, self.cache, self.batch.new_slots,
+                                         self.layer.kv_quant)
         self.out = torch.empty(batch, heads * V, **bf)
         self.context = context
 
