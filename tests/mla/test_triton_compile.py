@@ -130,8 +130,9 @@ for cap in (80, 90, 100):
             ("auto", torch.bfloat16, 16, torch.bfloat16),
             ("fp8", torch.float8_e4m3fn, 16, torch.bfloat16),
             # a float16 query on an E4M3 cache: the few-heads kernel's scores widened in
-            # registers (at 17-32 heads it spills 8 bytes in the values' warpgroup, as
-            # with an E5M2 cache: not checked here)
+            # registers (at 17-32 heads, as with an E5M2 cache, ptxas keeps one value of
+            # the partitions' prologue on the stack, 8 bytes stored twice and loaded
+            # once before any loop: not checked here)
             ("fp8", torch.float8_e4m3fn, 16, torch.float16)):
         if heads <= 32 and cap != 90:
             continue
