@@ -376,7 +376,6 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
     ``a_bufs[b]``; at 16 heads this took the E4M3 decode from 63.5 to 58.6 us). ``C``:
     the cache (its element type, E4M3 or E5M2)."""
     FP8: gl.constexpr = 1 if C.dtype.element_ty == gl.float8e4nv else 2
-    F8S: gl.constexpr = fp8_score_mmas(C.dtype.element_ty, Q.dtype.element_ty)
     BLOCK_N: gl.constexpr = st_a.type.shape[1]
     BLOCK_H: gl.constexpr = p_bufs.type.shape[2]
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
@@ -384,7 +383,7 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     HEADS: gl.constexpr = gl.SliceLayout(0, ACC)
     LOADQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    if F8S:
+    if q_s.dtype == gl.float8e4nv:  # (fp8_score_mmas chose the buffers)
         _query_f8_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
                             stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s, LOADQ)
     else:
@@ -398,12 +397,12 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
     T: gl.constexpr = TILES_A_STEP
     for j in range(gl.cdiv(n_tiles, T)):
         s = (_fp8_tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, T * j, n_tiles, n_last,
-                              FP8, F8S, DOT),)
+                              FP8, DOT),)
         for i in gl.static_range(1, T):
             s_i = gl.full([BLOCK_N, BLOCK_H], float("-inf"), gl.float32, ACC)
             if T * j + i < n_tiles:
                 s_i = _fp8_tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, T * j + i,
-                                       n_tiles, n_last, FP8, F8S, DOT)
+                                       n_tiles, n_last, FP8, DOT)
             s = _append(s, s_i)
         # (the first tile has a key: m_new is finite; a missing later one's P is 0)
         m_i, l_part = _softmax_step(s, m_i, l_part, qk, p_bufs, a_bufs, pfree, pfull, j)
@@ -417,12 +416,13 @@ def _fp8_tile_scores(st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_d
                      kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
                      q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
                      k: gl.tensor, n_tiles: gl.tensor, n_last: gl.tensor, FP8: gl.constexpr,
-                     F8S: gl.constexpr, DOT: gl.constexpr) -> gl.tensor:
+                     DOT: gl.constexpr) -> gl.tensor:
     """Tile ``k``'s scores ``S^T`` (in ``DOT``'s parent layout): fp8 MMAs of the stored
-    bytes (``F8S``, :func:`fp8_score_mmas`: :func:`_tile_scores_f8`), else the bytes
-    (``FP8`` 1: E4M3, 2: E5M2) widened in registers (:func:`_tile_scores`)."""
+    bytes where the query is in E4M3 parts (:func:`fp8_score_mmas`:
+    :func:`_tile_scores_f8`), else the bytes (``FP8`` 1: E4M3, 2: E5M2) widened in
+    registers (:func:`_tile_scores`)."""
     ACC: gl.constexpr = DOT.parent
-    if F8S:
+    if q_s.dtype == gl.float8e4nv:
         s = _tile_scores_f8(st_a, st_p, kfull, kfree, q_s, qp_s, k, n_tiles, n_last, ACC)
     else:
         s = _tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, k, n_tiles, n_last, FP8, DOT)
