@@ -186,25 +186,38 @@ def _assert_near(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     assert float(rows) < 4 * tol, (float(rows), tol)
 
 
-def _decode_against_float64(x: dict[str, object], dtype: torch.dtype, cache_dtype: str,
-                            splits: int | None, cfg: MLADecodeConfig | None) -> None:
+SCALE = 192 ** -0.5
+
+
+def _decode(x: dict[str, object], dtype: torch.dtype, cache_dtype: str, splits: int | None,
+            cfg: MLADecodeConfig | None) -> torch.Tensor:
     """The decode of case ``x`` with ``cfg`` (None: the device's default), the query's
-    latent and rope parts as separate strided views (as the layer passes them): within
-    the backend's tolerance of float64, the cache untouched."""
+    latent and rope parts as separate strided views (as the layer passes them)."""
     from vllm.attention.ops import triton_mla_decode as tmd
 
-    cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
     q: torch.Tensor = x["q"]  # type: ignore[assignment]
+    fmt = LatentFormat(cache_dtype, L, R, torch.tensor(
+        [K_SCALE if cache_dtype in FP8 else 1.0], device="cuda"), dtype)
+    return tmd.mla_decode_mma(q[..., :L], x["cache"], x["bt"], x["req"], x["pos"], fmt,  # type: ignore[arg-type]
+                              scale=SCALE, max_seq_len=max(SEQ_LENS), num_splits=splits,
+                              out_dtype=dtype, q_pe=q[..., L:], config=cfg)
+
+
+def _reference(x: dict[str, object], cache_dtype: str,
+               query: torch.Tensor | None = None) -> torch.Tensor:
+    """The float64 decode of case ``x`` (of ``query`` in place of its own, if given)."""
+    return latent_decode_reference(x["q"] if query is None else query, x["cache"], x["bt"],  # type: ignore[arg-type]
+                                   x["tokens"], L, SCALE,  # type: ignore[arg-type]
+                                   K_SCALE if cache_dtype in FP8 else None)
+
+
+def _decode_against_float64(x: dict[str, object], dtype: torch.dtype, cache_dtype: str,
+                            splits: int | None, cfg: MLADecodeConfig | None) -> None:
+    """:func:`_decode` within the backend's tolerance of float64, the cache untouched."""
+    cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
     before = cache.view(torch.uint8).clone()
-    fp8 = cache_dtype in FP8
-    fmt = LatentFormat(cache_dtype, L, R,
-                       torch.tensor([K_SCALE if fp8 else 1.0], device="cuda"), dtype)
-    scale = 192 ** -0.5
-    out = tmd.mla_decode_mma(q[..., :L], cache, x["bt"], x["req"], x["pos"], fmt,  # type: ignore[arg-type]
-                             scale=scale, max_seq_len=max(SEQ_LENS), num_splits=splits,
-                             out_dtype=dtype, q_pe=q[..., L:], config=cfg)
-    ref = latent_decode_reference(q, cache, x["bt"], x["tokens"], L, scale,  # type: ignore[arg-type]
-                                  K_SCALE if fp8 else None)
+    out = _decode(x, dtype, cache_dtype, splits, cfg)
+    ref = _reference(x, cache_dtype)
     assert torch.equal(cache.view(torch.uint8), before)
     assert torch.isfinite(out).all()
     _assert_near(out, ref, get_backend("TRITON_MLA").tolerances[dtype])
@@ -279,7 +292,6 @@ def test_few_heads_is_as_accurate_as_the_lead_kernel(dtype: torch.dtype, cache_d
 
     x = _case(heads, dtype, cache_dtype, seed=3000 + heads)
     cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
-    q: torch.Tensor = x["q"]  # type: ignore[assignment]
     gpu = tmd.gpu_of(cache.device)
     few = tmd.default_config(dtype, gpu)
     lead = dataclasses.replace(few, few_heads=False)
@@ -287,18 +299,9 @@ def test_few_heads_is_as_accurate_as_the_lead_kernel(dtype: torch.dtype, cache_d
     assert tmd.takes_lead(lead, dtype, cache, L, R, gpu, scale=1.0)
     assert not tmd.takes_few_heads(lead, dtype, cache, L, R, gpu, scale=1.0,
                                    num_heads=heads)
-    fp8 = cache_dtype in FP8
-    fmt = LatentFormat(cache_dtype, L, R,
-                       torch.tensor([K_SCALE if fp8 else 1.0], device="cuda"), dtype)
-    scale = 192 ** -0.5
-    ref = latent_decode_reference(q, cache, x["bt"], x["tokens"], L, scale,  # type: ignore[arg-type]
-                                  K_SCALE if fp8 else None)
-    errs = []
-    for cfg in (few, lead):
-        out = tmd.mla_decode_mma(q[..., :L], cache, x["bt"], x["req"], x["pos"], fmt,  # type: ignore[arg-type]
-                                 scale=scale, max_seq_len=max(SEQ_LENS), out_dtype=dtype,
-                                 q_pe=q[..., L:], config=cfg)
-        errs.append(float((out.double() - ref).norm() / ref.norm()))
+    ref = _reference(x, cache_dtype)
+    errs = [float((_decode(x, dtype, cache_dtype, None, cfg).double() - ref).norm()
+                  / ref.norm()) for cfg in (few, lead)]
     assert errs[0] <= 1.5 * errs[1], f"few-heads {errs[0]:.3e}, lead {errs[1]:.3e}"
 
 
@@ -323,15 +326,9 @@ def test_fp8_mma_against_float64(dtype: torch.dtype, heads: int, splits: int | N
     assert tmd.takes_fp8_mma(cfg, dtype, cache, L, R, gpu, scale=1.0)
     assert not tmd.takes_few_heads(cfg, dtype, cache, L, R, gpu, scale=1.0, num_heads=heads)
     before = cache.view(torch.uint8).clone()
-    fmt = LatentFormat("fp8", L, R, torch.tensor([K_SCALE], device="cuda"), dtype)
-    scale = 192 ** -0.5
-    out = tmd.mla_decode_mma(q[..., :L], cache, x["bt"], x["req"], x["pos"], fmt,  # type: ignore[arg-type]
-                             scale=scale, max_seq_len=max(SEQ_LENS), num_splits=splits,
-                             out_dtype=dtype, q_pe=q[..., L:], config=cfg)
+    out = _decode(x, dtype, "fp8", splits, cfg)
     assert torch.equal(cache.view(torch.uint8), before)
     assert torch.isfinite(out).all()
     for query, tol in ((e4m3_query(q), tmd.FP8_MMA_P_TOLERANCE),
                        (q, tmd.FP8_MMA_TOLERANCE)):
-        ref = latent_decode_reference(query, cache, x["bt"], x["tokens"], L, scale,  # type: ignore[arg-type]
-                                      K_SCALE)
-        _assert_near(out, ref, tol)
+        _assert_near(out, _reference(x, "fp8", query), tol)
