@@ -6,8 +6,6 @@ produced NaN (bytes 0x7f and 0xff are E4M3 NaN)."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +16,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def bench() -> Iterator[Any]:
+def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
     """``benchmarks/bench_mla_decode.py`` as a module (``benchmarks/`` on the path only
     while the test runs)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_mla_decode
+    monkeypatch.syspath_prepend(ROOT / "benchmarks")
+    import bench_mla_decode
 
-        yield bench_mla_decode
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return bench_mla_decode
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])

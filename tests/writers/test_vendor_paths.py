@@ -10,9 +10,7 @@ The compiled gfx942 code itself is checked by ``test_triton_compile.py``.
 
 from __future__ import annotations
 
-import sys
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,16 +97,14 @@ def test_cpu_tensors_take_no_hardware_path() -> None:
 
 
 @pytest.fixture
-def compile_check() -> Iterator[Any]:
-    """``tools/triton_compile_check.py`` as a module (it imports Triton)."""
+def compile_check(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``tools/triton_compile_check.py`` as a module (it imports Triton; ``tools/`` on the
+    path only while the test runs)."""
     pytest.importorskip("triton", reason="triton is not installed: the compile check needs it")
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import triton_compile_check
+    monkeypatch.syspath_prepend(ROOT / "tools")
+    import triton_compile_check
 
-        yield triton_compile_check
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    return triton_compile_check
 
 
 @pytest.mark.parametrize("vendor", ["amd", "nvidia"])
