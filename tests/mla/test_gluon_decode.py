@@ -131,8 +131,19 @@ def test_few_heads_is_the_default_up_to_32_heads_and_says_why_not(
     for heads in (1, 16, 20, 32):
         assert takes(heads), heads
         assert tmd.few_heads_unsupported_reasons(heads, L, R) == []
-    assert not takes(33)
-    assert any("33 heads" in r for r in tmd.few_heads_unsupported_reasons(33, L, R))
+    # past 32 heads only where asked for (few_heads_64), and only an E4M3 cache with a
+    # bfloat16 query (64 heads a program)
+    e4m3 = cache_dtype == torch.float8_e4m3fn
+    wide = dataclasses.replace(cfg, few_heads_64=True)
+    for heads in (33, 64, 128, 130):
+        assert not takes(heads), heads
+        assert takes(heads, c=wide) == e4m3, heads
+        assert tmd.few_heads_unsupported_reasons(heads, L, R, fp8=True, e4m3_bf16=True) == []
+    assert any("33 heads" in r and "E4M3" in r
+               for r in tmd.few_heads_unsupported_reasons(33, L, R, fp8=True))
+    f16 = torch.zeros(2, PAGE, L + R, dtype=cache_dtype)
+    assert not tmd.takes_few_heads(wide, torch.float16, f16, L, R, H90, scale=1.0,
+                                   num_heads=128)
     assert not takes(16, c=dataclasses.replace(cfg, few_heads=False))
     # the opt-in fp8-MMA kernel, where it applies (E4M3), takes precedence
     assert takes(16, c=dataclasses.replace(cfg, fp8_mma=True)) == (
@@ -276,10 +287,12 @@ def test_few_heads_against_float64(dtype: torch.dtype, cache_dtype: str, heads: 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="the Gluon kernel runs on NVIDIA sm_90 only")
-@pytest.mark.parametrize("heads", [16, 32])
-@pytest.mark.parametrize("dtype, cache_dtype", [
-    (torch.bfloat16, "fp8"), (torch.float16, "fp8"), (torch.float16, "fp8_e5m2"),
-    (torch.float16, "auto")], ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("dtype, cache_dtype, heads", [
+    *[(d, c, h) for h in (16, 32) for d, c in (
+        (torch.bfloat16, "fp8"), (torch.float16, "fp8"), (torch.float16, "fp8_e5m2"),
+        (torch.float16, "auto"))],
+    (torch.bfloat16, "fp8", 64), (torch.bfloat16, "fp8", 128)],
+    ids=lambda x: str(x).replace("torch.", ""))
 def test_few_heads_is_as_accurate_as_the_lead_kernel(dtype: torch.dtype, cache_dtype: str,
                                                      heads: int) -> None:
     """The few-heads kernel's error against float64 is the lead kernel's on the same
@@ -293,7 +306,7 @@ def test_few_heads_is_as_accurate_as_the_lead_kernel(dtype: torch.dtype, cache_d
     x = _case(heads, dtype, cache_dtype, seed=3000 + heads)
     cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
     gpu = tmd.gpu_of(cache.device)
-    few = tmd.default_config(dtype, gpu)
+    few = dataclasses.replace(tmd.default_config(dtype, gpu), few_heads_64=heads > 32)
     lead = dataclasses.replace(few, few_heads=False)
     assert tmd.takes_few_heads(few, dtype, cache, L, R, gpu, scale=1.0, num_heads=heads)
     assert tmd.takes_lead(lead, dtype, cache, L, R, gpu, scale=1.0)
@@ -303,6 +316,28 @@ def test_few_heads_is_as_accurate_as_the_lead_kernel(dtype: torch.dtype, cache_d
     errs = [float((_decode(x, dtype, cache_dtype, None, cfg).double() - ref).norm()
                   / ref.norm()) for cfg in (few, lead)]
     assert errs[0] <= 1.5 * errs[1], f"few-heads {errs[0]:.3e}, lead {errs[1]:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon kernel runs on NVIDIA sm_90 only")
+@pytest.mark.parametrize("splits", [None, 1, 3, 64], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("heads", [33, 64, 128, 130])
+def test_few_heads_64_against_float64(heads: int, splits: int | None) -> None:
+    """Past 32 heads, asked for (``few_heads_64``; an E4M3 cache, a bfloat16 query), the
+    few-heads kernel takes 64 heads a program, the heads past the layer's masked:
+    within the backend's tolerance of float64 with every row checked, the cache
+    untouched."""
+    import dataclasses
+
+    from vllm.attention.ops import triton_mla_decode as tmd
+
+    x = _case(heads, torch.bfloat16, "fp8", seed=4000 + heads + (splits or 0))
+    cache: torch.Tensor = x["cache"]  # type: ignore[assignment]
+    gpu = tmd.gpu_of(cache.device)
+    cfg = dataclasses.replace(tmd.default_config(torch.bfloat16, gpu), few_heads_64=True)
+    assert tmd.takes_few_heads(cfg, torch.bfloat16, cache, L, R, gpu, scale=1.0,
+                               num_heads=heads)
+    _decode_against_float64(x, torch.bfloat16, "fp8", splits, cfg)
 
 
 @pytest.mark.gpu

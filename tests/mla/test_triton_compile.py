@@ -171,9 +171,11 @@ for cap in (80, 90, 100):
                     bad.append("lowered to a bare trap")
                 if c.metadata.shared > SMEM[cap]:
                     bad.append(f"shared {c.metadata.shared} > {SMEM[cap]}")
-                # programmatic dependent launch: the few-heads kernel and the combine
-                # after it, each waiting for the grid before it ahead of its first read
-                few = any(f.__name__ == "mla_decode_few_heads_kernel" for f, _, _ in calls)
+                # programmatic dependent launch: the few-heads kernel up to 32 heads and
+                # the combine after it, each waiting for the grid before it ahead of its
+                # first read
+                few = heads <= 32 and any(f.__name__ == "mla_decode_few_heads_kernel"
+                                          for f, _, _ in calls)
                 pdl = few and fn.__name__ in ("mla_decode_few_heads_kernel",
                                               "mla_decode_combine_kernel")
                 waits = ptx.find("griddepcontrol.wait")

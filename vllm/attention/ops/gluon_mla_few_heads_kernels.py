@@ -122,6 +122,23 @@ high part is at most 8 of a ``[128, 256)`` magnitude)."""
 VALUE_REGS_FP8: gl.constexpr = gl.constexpr(240)
 """Registers a thread of the values' warpgroup with an fp8 cache (its accumulators, and
 two A operands of ``TK`` keys each in registers: one in flight, one read)."""
+VALUE_REGS_64: gl.constexpr = gl.constexpr(176)
+"""Registers a thread of each of the two values' warpgroups at 64 heads (an fp8 cache):
+its ``[L / 2, 64]`` float32 accumulator takes 128."""
+
+
+@constexpr_function
+def tiles_a_step(BLOCK_H: Any) -> int:
+    """Tiles the scoring warpgroup of an fp8 cache takes a step: :data:`TILES_A_STEP`
+    up to 32 heads, one at 64 (a tile's scores take twice the registers)."""
+    return TILES_A_STEP if BLOCK_H <= 32 else 1
+
+
+@constexpr_function
+def value_groups(BLOCK_H: Any) -> int:
+    """The values' warpgroups: one up to 32 heads (both halves of the latent), two at 64
+    (a half each: a ``[L / 2, 64]`` float32 accumulator is 128 registers a thread)."""
+    return 1 if BLOCK_H <= 32 else 2
 
 
 @constexpr_function
@@ -318,14 +335,30 @@ def _tile_scores(st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descr
 
 
 @jit
+def _value_block(st_a: gl.shared_memory_descriptor, st: gl.tensor, i: gl.constexpr,
+                 W: gl.constexpr) -> gl.shared_memory_descriptor:
+    """Block ``i`` (0 or 1) of a stage's latent that a values' warpgroup takes: the
+    latent's half ``i`` (``W`` 2: the only values' warpgroup) or the quarter ``i`` of
+    half ``W``."""
+    HALF: gl.constexpr = st_a.type.shape[2]
+    if W == 2:
+        blk = st_a.index(2 * st + i)
+    else:
+        blk = st_a.index(2 * st + W).slice(i * (HALF // 2), HALF // 2, dim=1)
+    return blk
+
+
+@jit
 def _tile_values(st_a: gl.shared_memory_descriptor, pt: gl.shared_memory_descriptor,
                  kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
                  k: gl.tensor, n_tiles: gl.tensor, n_last: gl.tensor, acc0: gl.tensor,
-                 acc1: gl.tensor, FP8: gl.constexpr, DOT: gl.constexpr) -> gl.tensor:
-    """Tile ``k``'s ``P^T`` (``pt``) applied to both halves of the latent: ``TK`` keys
-    an MMA (32 at 16 heads, 16 at 32: the accumulators take twice the registers), its A
-    operand (the latent transposed) read from the stage into registers just before and
-    widened there; the stage released after."""
+                 acc1: gl.tensor, W: gl.constexpr, FP8: gl.constexpr,
+                 DOT: gl.constexpr) -> gl.tensor:
+    """Tile ``k``'s ``P^T`` (``pt``) applied to the two blocks of the latent a values'
+    warpgroup takes (:func:`_value_block`; ``acc0``, ``acc1``): ``TK`` keys an MMA (32
+    at 16 heads, 16 from 32: the accumulators take twice the registers), its A operand
+    (the block transposed) read from the stage into registers just before and widened
+    there; the stage released after."""
     S: gl.constexpr = kfull.type.shape[0]
     BLOCK_N: gl.constexpr = st_a.type.shape[1]
     BLOCK_H: gl.constexpr = pt.type.shape[1]
@@ -334,10 +367,12 @@ def _tile_values(st_a: gl.shared_memory_descriptor, pt: gl.shared_memory_descrip
     st = k % S
     mbarrier.wait(kfull.index(st), (k // S) & 1)
     n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
-    prev = _value_operand(st_a.index(2 * st).slice(0, TK, dim=0), n_valid, 0, FP8, DOT)
+    prev = _value_operand(_value_block(st_a, st, 0, W).slice(0, TK, dim=0), n_valid, 0, FP8,
+                          DOT)
     acc0 = warpgroup_mma(prev, pt.slice(0, TK, dim=0), acc0, is_async=True)
     for part in gl.static_range(1, 2 * NP):
-        a = _value_operand(st_a.index(2 * st + part // NP).slice((part % NP) * TK, TK, dim=0),
+        a = _value_operand(_value_block(st_a, st, part // NP, W)
+                           .slice((part % NP) * TK, TK, dim=0),
                            n_valid, (part % NP) * TK, FP8, DOT)
         p_part = pt.slice((part % NP) * TK, TK, dim=0)
         if part // NP == 0:
@@ -394,7 +429,7 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, HEADS)
     qk = qk_s.load(HEADS)  # what turns a head's raw scores into base-2 logits (> 0)
     # T tiles a step: one maximum across the warps and one publication for all
-    T: gl.constexpr = TILES_A_STEP
+    T: gl.constexpr = tiles_a_step(BLOCK_H)
     for j in range(gl.cdiv(n_tiles, T)):
         s = (_fp8_tile_scores(st_a, st_p, kfull, kfree, q_s, qp_s, T * j, n_tiles, n_last,
                               FP8, DOT),)
@@ -409,6 +444,107 @@ def _scores_r(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descripto
 
     _finish_scores(m_i, l_part, l_s, lfull, LSE_PART, t, hb, sp, num_heads, stride_lt,
                    stride_lh, single)
+
+
+@jit
+def _tile_scores_rows(st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
+                      kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+                      qa_s: gl.shared_memory_descriptor, qpe_s: gl.shared_memory_descriptor,
+                      k: gl.tensor, n_tiles: gl.tensor, n_last: gl.tensor,
+                      ACC: gl.constexpr) -> gl.tensor:
+    """Tile ``k``'s scores ``S`` (heads as rows, keys as columns) on an E4M3 cache: fp8
+    MMAs of each part of the query (``m64n64k32``, the A operand) by the stored bytes
+    as they landed (the B operand, K-major as stored), one accumulator a part, then
+    ``hi + mid / 16`` in registers; the stage released once the MMAs are done (the
+    values' warpgroups release it too); the keys past a split's end masked."""
+    S: gl.constexpr = kfull.type.shape[0]
+    BLOCK_N: gl.constexpr = st_a.type.shape[1]
+    HALF: gl.constexpr = st_a.type.shape[2]
+    ROPE: gl.constexpr = st_p.type.shape[2]
+    BLOCK_H: gl.constexpr = qa_s.type.shape[1] // 2
+    f8: gl.constexpr = gl.float8e4nv
+    st = k % S
+    mbarrier.wait(kfull.index(st), (k // S) & 1)
+    kp = st_p.index(st)._reinterpret(f8, [BLOCK_N, ROPE], st_p.type.layout).permute((1, 0))
+    zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, ACC)
+    hi = warpgroup_mma(qpe_s.slice(0, BLOCK_H, dim=0), kp, zero, use_acc=False,
+                       is_async=True)
+    mid = warpgroup_mma(qpe_s.slice(BLOCK_H, BLOCK_H, dim=0), kp, zero, use_acc=False,
+                        is_async=True)
+    for h in gl.static_range(2):
+        ka = st_a.index(2 * st + h)._reinterpret(f8, [BLOCK_N, HALF],
+                                                 st_a.type.layout).permute((1, 0))
+        hi = warpgroup_mma(qa_s.index(h).slice(0, BLOCK_H, dim=0), ka, hi, is_async=True)
+        mid = warpgroup_mma(qa_s.index(h).slice(BLOCK_H, BLOCK_H, dim=0), ka, mid,
+                            is_async=True)
+    hi, mid = warpgroup_mma_wait(num_outstanding=0, deps=(hi, mid, qa_s, qpe_s))[:2]
+    # every warp's MMAs have read the stage
+    gl.thread_barrier()
+    mbarrier.arrive(kfree.index(st))
+    s = gl.fma(mid, 1.0 / MID_SCALE, hi)
+    n_valid = gl.where(k == n_tiles - 1, n_last, BLOCK_N)
+    if n_valid < BLOCK_N:
+        keys = gl.arange(0, BLOCK_N, gl.SliceLayout(0, ACC))
+        s = gl.where((keys < n_valid)[None, :], s, float("-inf"))
+    return s
+
+
+@jit
+def _scores_rows(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
+                 st_a: gl.shared_memory_descriptor, st_p: gl.shared_memory_descriptor,
+                 p_bufs: gl.shared_memory_descriptor, a_bufs: gl.shared_memory_descriptor,
+                 l_s: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
+                 kfree: gl.shared_memory_descriptor, pfull: gl.shared_memory_descriptor,
+                 pfree: gl.shared_memory_descriptor, lfull: gl.shared_memory_descriptor,
+                 n_tiles: gl.tensor, n_last: gl.tensor, qk_s: gl.shared_memory_descriptor,
+                 LSE_PART: gl.tensor, t: gl.tensor, hb: gl.tensor, sp: gl.tensor,
+                 num_heads: gl.tensor, stride_lt: gl.tensor, stride_lh: gl.tensor,
+                 single: gl.tensor, C: gl.tensor, Q: gl.tensor, Q_PE: gl.tensor,
+                 stride_qt: gl.tensor, stride_qh: gl.tensor, stride_et: gl.tensor,
+                 stride_eh: gl.tensor, sm_scale: gl.tensor, K_SCALE: gl.tensor) -> None:
+    """The scoring warpgroup at 64 heads (an E4M3 cache, a bfloat16 query): the query
+    in two E4M3 parts (:func:`_query_f8_to_shared`), then each tile's scores with the
+    heads as rows (:func:`_tile_scores_rows`), so that a head's softmax stays inside a
+    warp (its row is 4 lanes' registers), as in the lead kernel; ``P^T`` (the values'
+    B operand) and the heads' rescale factors published into buffer ``k % 2``. After
+    the last tile the row sums go to the values' warpgroups, and the log-sum-exp of a
+    split out. ``C``: the cache (its element type)."""
+    BLOCK_N: gl.constexpr = st_a.type.shape[1]
+    BLOCK_H: gl.constexpr = p_bufs.type.shape[2]
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
+    LOADQ: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    gl.static_assert(C.dtype.element_ty == gl.float8e4nv, "an E4M3 cache")
+    _query_f8_to_shared(Q, Q_PE, t, hb, num_heads, stride_qt, stride_qh, stride_et,
+                        stride_eh, sm_scale, K_SCALE, q_s, qp_s, qk_s, LOADQ)
+
+    l_i = gl.zeros([BLOCK_H], gl.float32, ROWS)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROWS)
+    qk = qk_s.load(ROWS)  # what turns a head's raw scores into base-2 logits (> 0)
+    for k in range(n_tiles):
+        s = _tile_scores_rows(st_a, st_p, kfull, kfree, q_s, qp_s, k, n_tiles, n_last, ACC)
+        b = k % 2
+        # the maximum of the raw scores, scaled once (qk > 0); P in one FMA an element.
+        # Every tile has a key, so m_new is finite.
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk)
+        p = gl.exp2(gl.fma(s, qk[:, None], -m_new[:, None]))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        pt = gl.permute(p.to(p_bufs.dtype), (1, 0))
+        # the value MMAs of tile k - 2 are done with buffer b
+        mbarrier.wait(pfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
+        p_bufs.index(b).store(pt)
+        a_bufs.index(b).store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(pfull.index(b))
+
+    l_s.store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(lfull.index(0))
+    _store_lse(m_i, l_i, 0.0, LSE_PART, t, hb, sp, num_heads, stride_lt, stride_lh, single)
 
 
 @jit
@@ -439,11 +575,62 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
               hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor,
               stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor,
               stride_ps: gl.tensor, single: gl.tensor, C: gl.tensor) -> None:
-    """The values' warpgroup of an fp8 cache: each tile's ``P^T`` applied to both
-    halves of the latent (:func:`_tile_values`), the accumulators rescaled once a step
-    of the scoring warpgroup (two tiles); then the output, its rows put back in the
-    latent's order, times the cache's scale (``K_SCALE``, read there). ``C``: the cache
-    (its element type, E4M3 or E5M2)."""
+    """The values' warpgroup of an fp8 cache up to 32 heads: both halves of the latent
+    (:func:`_values_w`)."""
+    _values_w(st_a, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles, n_last,
+              K_SCALE, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh, stride_pt,
+              stride_ph, stride_ps, single, C, 2)
+
+
+@jit
+def _values_r0(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descriptor,
+              a_bufs: gl.shared_memory_descriptor, l_s: gl.shared_memory_descriptor,
+              kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+              pfull: gl.shared_memory_descriptor, pfree: gl.shared_memory_descriptor,
+              lfull: gl.shared_memory_descriptor, n_tiles: gl.tensor, n_last: gl.tensor,
+              K_SCALE: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor, t: gl.tensor,
+              hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor,
+              stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor,
+              stride_ps: gl.tensor, single: gl.tensor, C: gl.tensor) -> None:
+    """The first of the two values' warpgroups at 64 heads: the latent's first half."""
+    _values_w(st_a, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles, n_last,
+              K_SCALE, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh, stride_pt,
+              stride_ph, stride_ps, single, C, 0)
+
+
+@jit
+def _values_r1(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descriptor,
+              a_bufs: gl.shared_memory_descriptor, l_s: gl.shared_memory_descriptor,
+              kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+              pfull: gl.shared_memory_descriptor, pfree: gl.shared_memory_descriptor,
+              lfull: gl.shared_memory_descriptor, n_tiles: gl.tensor, n_last: gl.tensor,
+              K_SCALE: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor, t: gl.tensor,
+              hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor,
+              stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor,
+              stride_ps: gl.tensor, single: gl.tensor, C: gl.tensor) -> None:
+    """The second of the two values' warpgroups at 64 heads: the latent's second half."""
+    _values_w(st_a, p_bufs, a_bufs, l_s, kfull, kfree, pfull, pfree, lfull, n_tiles, n_last,
+              K_SCALE, OUT, O_PART, t, hb, sp, num_heads, stride_xt, stride_xh, stride_pt,
+              stride_ph, stride_ps, single, C, 1)
+
+
+@jit
+def _values_w(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descriptor,
+              a_bufs: gl.shared_memory_descriptor, l_s: gl.shared_memory_descriptor,
+              kfull: gl.shared_memory_descriptor, kfree: gl.shared_memory_descriptor,
+              pfull: gl.shared_memory_descriptor, pfree: gl.shared_memory_descriptor,
+              lfull: gl.shared_memory_descriptor, n_tiles: gl.tensor, n_last: gl.tensor,
+              K_SCALE: gl.tensor, OUT: gl.tensor, O_PART: gl.tensor, t: gl.tensor,
+              hb: gl.tensor, sp: gl.tensor, num_heads: gl.tensor, stride_xt: gl.tensor,
+              stride_xh: gl.tensor, stride_pt: gl.tensor, stride_ph: gl.tensor,
+              stride_ps: gl.tensor, single: gl.tensor, C: gl.tensor,
+              W: gl.constexpr) -> None:
+    """A values' warpgroup of an fp8 cache: each tile's ``P^T`` applied to both
+    halves of the latent (``W`` 2) or to both quarters of half ``W`` (0, 1), one
+    accumulator each (:func:`_tile_values`), rescaled once a step of the scoring
+    warpgroup; then the output, its rows put back in the latent's order, times the
+    cache's scale (``K_SCALE``, read there). ``C``: the cache (its element type, E4M3 or
+    E5M2)."""
     FP8: gl.constexpr = 1 if C.dtype.element_ty == gl.float8e4nv else 2
     HALF: gl.constexpr = st_a.type.shape[2]
     BLOCK_H: gl.constexpr = p_bufs.type.shape[2]
@@ -452,9 +639,10 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     HEADS: gl.constexpr = gl.SliceLayout(0, ACC)
 
-    acc0 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
-    acc1 = gl.zeros([HALF, BLOCK_H], gl.float32, ACC)
-    T: gl.constexpr = TILES_A_STEP
+    QW: gl.constexpr = HALF if W == 2 else HALF // 2  # an accumulator's latent columns
+    acc0 = gl.zeros([QW, BLOCK_H], gl.float32, ACC)
+    acc1 = gl.zeros([QW, BLOCK_H], gl.float32, ACC)
+    T: gl.constexpr = tiles_a_step(BLOCK_H)
     for k in range(n_tiles):
         # the scoring warpgroup's step j: tiles T j .. T j + T - 1, P^T in buffers T b ..
         # T b + T - 1, one rescale factor (applied before the first)
@@ -466,7 +654,7 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
         acc0 = acc0 * alpha[None, :]
         acc1 = acc1 * alpha[None, :]
         acc0, acc1 = _tile_values(st_a, p_bufs.index(T * b + k % T), kfull, kfree, k,
-                                  n_tiles, n_last, acc0, acc1, FP8, DOT)
+                                  n_tiles, n_last, acc0, acc1, W, FP8, DOT)
         if k % T == T - 1 or k == n_tiles - 1:
             # every warp of the warpgroup is done with the step's P and factors
             gl.thread_barrier()
@@ -475,15 +663,17 @@ def _values_r(st_a: gl.shared_memory_descriptor, p_bufs: gl.shared_memory_descri
     mbarrier.wait(lfull.index(0), 0)
     l_i = l_s.load(HEADS)
     oscale = gl.load(K_SCALE)
-    SHAPE: gl.constexpr = value_order(HALF, BLOCK_H, True)[0]
-    ORDER: gl.constexpr = value_order(HALF, BLOCK_H, True)[1]
-    # the accumulators' rows back in the latent's order, transposed: [heads, L / 2]
+    SHAPE: gl.constexpr = value_order(QW, BLOCK_H, True)[0]
+    ORDER: gl.constexpr = value_order(QW, BLOCK_H, True)[1]
+    B0: gl.constexpr = 0 if W == 2 else 2 * W  # the first block's index in QW columns
+    # the accumulators' rows back in the latent's order, transposed: [heads, QW]
     o0 = reorder(acc0, SHAPE, ORDER)
     o1 = reorder(acc1, SHAPE, ORDER)
     _store_rows(gl.permute(o0, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
-                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0)
+                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, B0)
     _store_rows(gl.permute(o1, (1, 0)), l_i, OUT, O_PART, t, hb, sp, num_heads,
-                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 1)
+                stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale,
+                B0 + 1)
 
 
 @jit
@@ -533,22 +723,31 @@ def _query_f8_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tens
     BLOCK_H: gl.constexpr = qa_s.type.shape[1] // 2
     HALF: gl.constexpr = qa_s.type.shape[2]
     ROPE: gl.constexpr = qpe_s.type.shape[1]
-    CH: gl.constexpr = 128 if HALF >= 128 else HALF
+    # (64 columns a read at 64 heads: the query's chunks take half the registers)
+    CH: gl.constexpr = (128 if BLOCK_H <= 32 else 64) if HALF >= 128 else HALF
     q_row, cols, qp_ptr, mask_h = _query_pointers(Q, Q_PE, t, hb, num_heads, stride_qt,
                                                   stride_qh, stride_et, stride_eh, BLOCK_H,
                                                   CH, ROPE, LOAD)
     xp = gl.load(qp_ptr, mask=mask_h, other=0.0).to(gl.float32)
     amax = gl.max(gl.abs(xp), 1)
+    # up to 32 heads the query stays in registers between its maximum and its parts; at
+    # 64 (144 registers a thread) it is read twice
+    KEEP: gl.constexpr = BLOCK_H <= 32
     xs = ()
     for c in gl.static_range(2 * HALF // CH):
         x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0).to(gl.float32)
         amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
-        xs = _append(xs, x)
+        if KEEP:
+            xs = _append(xs, x)
     ksc = gl.load(K_SCALE)
     down, up = row_powers(amax, 7)
     for c in gl.static_range(2 * HALF // CH):
         dst = qa_s.index(c * CH // HALF).slice(c * CH % HALF, CH, dim=1)
-        _query_parts(xs[c] * down[:, None], dst.slice(0, BLOCK_H, dim=0),
+        if KEEP:
+            x = xs[c]
+        else:
+            x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0).to(gl.float32)
+        _query_parts(x * down[:, None], dst.slice(0, BLOCK_H, dim=0),
                      dst.slice(BLOCK_H, BLOCK_H, dim=0))
     _query_parts(xp * down[:, None], qpe_s.slice(0, BLOCK_H, dim=0),
                  qpe_s.slice(BLOCK_H, BLOCK_H, dim=0))
@@ -724,19 +923,25 @@ def mla_decode_few_heads_kernel(
     gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
     gl.static_assert(PAGE % BLOCK_N == 0, "a tile inside one page")
     gl.static_assert(BLOCK_N == 64, "the keys are the M of a warpgroup MMA")
-    gl.static_assert(BLOCK_H == 16 or BLOCK_H == 32, "16 or 32 heads, the MMAs' N")
+    gl.static_assert(BLOCK_H == 16 or BLOCK_H == 32
+                     or (BLOCK_H == 64 and fp8_score_mmas(C.dtype.element_ty,
+                                                          Q.dtype.element_ty)),
+                     "16 or 32 heads, the MMAs' N (64 with an E4M3 cache, bfloat16 query)")
     gl.static_assert(KV_LORA % 128 == 0, "each latent half a multiple of the MMA's M")
     dtype: gl.constexpr = gl.float16 if FP8 != 0 else Q.dtype.element_ty
     HALF: gl.constexpr = KV_LORA // 2
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     F32_ROW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-    _after_the_grid_before()
+    if BLOCK_H <= 32:  # (launched as a programmatic dependent launch up to 32 heads)
+        _after_the_grid_before()
     hb, sp, t, req, start, end, n_tiles, n_last = _program_keys(TOK_REQ, TOK_POS,
                                                                 num_splits, BLOCK_N)
 
     # two buffers of P^T and of the heads' rescale factors
-    NPB: gl.constexpr = 2 if FP8 == 0 else 2 * TILES_A_STEP  # (fp8: two steps' tiles)
+    T: gl.constexpr = tiles_a_step(BLOCK_H)
+    VW: gl.constexpr = value_groups(BLOCK_H)
+    NPB: gl.constexpr = 2 if FP8 == 0 else 2 * T  # (fp8: two steps' tiles)
     p_bufs = gl.allocate_shared_memory(
         dtype, [NPB, BLOCK_N, BLOCK_H],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype))
@@ -745,7 +950,7 @@ def mla_decode_few_heads_kernel(
     qk_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], F32_ROW)
     # a 16-bit cache: two tile buffers; an fp8 cache: a ring of S stages of its bytes
     # (five at 16 heads, four at 32: the query and P take twice the shared memory)
-    S: gl.constexpr = 2 if FP8 == 0 else (5 if BLOCK_H == 16 else 4)
+    S: gl.constexpr = 2 if FP8 == 0 else (5 if BLOCK_H == 16 else 4 if BLOCK_H == 32 else 3)
     kfull = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     kfree = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     pfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -754,10 +959,10 @@ def mla_decode_few_heads_kernel(
     for i in gl.static_range(S):
         mbarrier.init(kfull.index(i), count=1)
         # the value MMAs are a tile buffer's last readers; both warpgroups read a stage
-        mbarrier.init(kfree.index(i), count=1 if FP8 == 0 else 2)
+        mbarrier.init(kfree.index(i), count=1 if FP8 == 0 else 1 + VW)
     for i in gl.static_range(2):
         mbarrier.init(pfull.index(i), count=1)
-        mbarrier.init(pfree.index(i), count=1)
+        mbarrier.init(pfree.index(i), count=VW)
     mbarrier.init(lfull.index(0), count=1)
 
     # the query in halves of the latent and the rope part: the score MMAs' B operands
@@ -801,7 +1006,7 @@ def mla_decode_few_heads_kernel(
         # the ring: [stage * 2 + half] latent halves, [stage] rope, as the copies land;
         # a step's stages are freed only after the step (the values' warpgroup reads
         # them after its P^T), so they must all fit in the ring at once
-        gl.static_assert(TILES_A_STEP <= S, "a scoring step's tiles in the ring at once")
+        gl.static_assert(T <= S, "a scoring step's tiles in the ring at once")
         st_a = gl.allocate_shared_memory(LAT_DESC.block_type.element_ty, [2 * S, BLOCK_N, HALF],
                                          LAT_DESC.layout)
         st_p = gl.allocate_shared_memory(PE_DESC.block_type.element_ty, [S, BLOCK_N, ROPE],
@@ -816,8 +1021,16 @@ def mla_decode_few_heads_kernel(
                   stride_pt, stride_ph, stride_ps, single, C)
         rlargs = (LAT_DESC, PE_DESC, BT, req, start, n_tiles, stride_bt, page, st_a, st_p,
                   kfull, kfree)
-        gl.warp_specialize([
-            (_scores_r, rsargs),
-            (_values_r, rvargs),
-            (_load, rlargs),
-        ], [4, 1], [VALUE_REGS_FP8, LOAD_REGS])
+        if VW == 1:
+            gl.warp_specialize([
+                (_scores_r, rsargs),
+                (_values_r, rvargs),
+                (_load, rlargs),
+            ], [4, 1], [VALUE_REGS_FP8, LOAD_REGS])
+        else:
+            gl.warp_specialize([
+                (_scores_rows, rsargs),
+                (_values_r0, rvargs),
+                (_values_r1, rvargs),
+                (_load, rlargs),
+            ], [4, 4, 1], [VALUE_REGS_64, VALUE_REGS_64, LOAD_REGS])

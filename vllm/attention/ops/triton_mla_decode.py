@@ -72,7 +72,11 @@ class MLADecodeConfig:
     MMAs (the lead kernel's arithmetic, a quarter of its tensor work at 16 heads), where
     :func:`few_heads_unsupported_reasons` is empty and ``fp8_mma`` does not take the
     decode (an explicit request is honoured, though at 16 heads the few-heads kernel is
-    now the faster of the two with an fp8 cache, and exact: ``docs/mla.md``).
+    now the faster of the two with an fp8 cache, and exact: ``docs/mla.md``);
+    ``few_heads_64`` (with ``few_heads``; opt-in): past :data:`FEW_HEADS_MAX` heads, an
+    E4M3 cache with a bfloat16 query runs the few-heads kernel too, 64 heads a program
+    (the scores with the heads as rows, the values with the heads as N; measured in
+    ``docs/mla.md``, not the default).
     """
 
     block_h: int
@@ -90,6 +94,7 @@ class MLADecodeConfig:
     lead: bool = True
     fp8_mma: bool = False
     few_heads: bool = True
+    few_heads_64: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n"):
@@ -271,6 +276,9 @@ _LEAD_MAXNREG = 168
 """Registers a thread at the lead kernel's launch, before its partitions set their own:
 its 9 warps (16-bit caches; 12 with fp8) launch as 12 (whole warpgroups), and an SM has
 64 K registers."""
+_FEW_64_MAXNREG = 128
+"""The same for the few-heads kernel at 64 heads a program: its 13 warps (scores, two
+values' warpgroups, the loader) launch as 16."""
 
 
 @functools.cache
@@ -386,7 +394,16 @@ probabilities' rounding to E4M3 leaves."""
 
 
 FEW_HEADS_MAX = 32
-"""The most heads the few-heads kernel takes (its MMAs' N: 16 or 32)."""
+"""The most heads the few-heads kernel takes with the heads as the N of both MMAs (16
+or 32 a program). Past it, with an E4M3 cache and a bfloat16 query, it takes 64 heads a
+program: the scores with the heads as rows (fp8 MMAs of the query's two E4M3 parts),
+the values with the heads as N (two values' warpgroups, a latent half each)."""
+
+
+def few_heads_block(num_heads: int) -> int:
+    """The heads a program of the few-heads kernel takes: 16, 32, or 64 (an E4M3 cache
+    and a bfloat16 query)."""
+    return 16 if num_heads <= 16 else 32 if num_heads <= FEW_HEADS_MAX else 64
 
 
 def _few_heads_kernel() -> Any:
@@ -396,14 +413,18 @@ def _few_heads_kernel() -> Any:
 
 
 def few_heads_unsupported_reasons(num_heads: int, kv_lora_rank: int, rope_dim: int, *,
-                                  fp8: bool = False) -> list[str]:
+                                  fp8: bool = False, e4m3_bf16: bool = False) -> list[str]:
     """Why the few-heads kernel cannot take this decode, given that the lead kernel can
     (empty: it can); ``fp8``: the cache is fp8 (its bytes are read into the MMAs'
-    operands, a quarter of the latent, 128 columns, a score MMA)."""
+    operands, a quarter of the latent, 128 columns, a score MMA); ``e4m3_bf16``: an
+    E4M3 cache and a bfloat16 query (the only pair it takes past :data:`FEW_HEADS_MAX`
+    heads)."""
     reasons = []
-    if num_heads > FEW_HEADS_MAX:
-        reasons.append(f"{num_heads} heads: the few-heads kernel takes at most "
-                       f"{FEW_HEADS_MAX} (more fill the lead kernel's 64-row MMAs)")
+    if num_heads > FEW_HEADS_MAX and not e4m3_bf16:
+        reasons.append(f"{num_heads} heads: past {FEW_HEADS_MAX} the few-heads kernel takes "
+                       "only an E4M3 cache with a bfloat16 query (its scores as fp8 MMAs of "
+                       "the query's two E4M3 parts, which hold a bfloat16 query's 8 "
+                       "significant bits); the lead kernel takes the rest")
     if kv_lora_rank % 128:
         reasons.append(f"kv_lora_rank={kv_lora_rank}: the few-heads kernel's value MMAs "
                        "take each half of the latent as their M, a multiple of 64")
@@ -417,13 +438,17 @@ def few_heads_unsupported_reasons(num_heads: int, kv_lora_rank: int, rope_dim: i
     return reasons
 
 
-def _asks_few_heads(cfg: MLADecodeConfig, kv_cache: torch.Tensor, num_heads: int,
-                    kv_lora_rank: int, rope_dim: int) -> bool:
+def _asks_few_heads(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tensor,
+                    num_heads: int, kv_lora_rank: int, rope_dim: int) -> bool:
     """Given the lead kernel: ``cfg.few_heads`` asks for the few-heads kernel, it can
     take the decode, and the opt-in fp8-MMA kernel does not (:func:`_asks_fp8_mma`)."""
+    e4m3_bf16 = _FP8_CODES.get(kv_cache.dtype) == 1 and q_dtype == torch.bfloat16
+    if num_heads > FEW_HEADS_MAX and not cfg.few_heads_64:
+        return False
     return (cfg.few_heads and not _asks_fp8_mma(cfg, kv_cache, kv_lora_rank, rope_dim)
             and not few_heads_unsupported_reasons(num_heads, kv_lora_rank, rope_dim,
-                                                  fp8=kv_cache.dtype in _FP8_CODES))
+                                                  fp8=kv_cache.dtype in _FP8_CODES,
+                                                  e4m3_bf16=e4m3_bf16))
 
 
 def takes_few_heads(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.Tensor,
@@ -433,7 +458,7 @@ def takes_few_heads(cfg: MLADecodeConfig, q_dtype: torch.dtype, kv_cache: torch.
     ``cfg.few_heads`` asks for it, the lead kernel would take it (:func:`takes_lead`),
     :func:`few_heads_unsupported_reasons` is empty, and the opt-in fp8-MMA kernel does
     not take it (:func:`takes_fp8_mma`)."""
-    return (_asks_few_heads(cfg, kv_cache, num_heads, kv_lora_rank, rope_dim)
+    return (_asks_few_heads(cfg, q_dtype, kv_cache, num_heads, kv_lora_rank, rope_dim)
             and takes_lead(cfg, q_dtype, kv_cache, kv_lora_rank, rope_dim, gpu, scale=scale))
 
 
@@ -543,9 +568,9 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     # program an SM (its shared memory)
     use_lead = use_gluon and cfg.lead
     use_fp8_mma = use_lead and _asks_fp8_mma(cfg, kv_cache, L, R)
-    use_few = use_lead and _asks_few_heads(cfg, kv_cache, n, L, R)
+    use_few = use_lead and _asks_few_heads(cfg, q_lat.dtype, kv_cache, n, L, R)
     if use_gluon:  # its own tiles
-        block_h = (16 if n <= 16 else FEW_HEADS_MAX) if use_few else GLUON_TILE
+        block_h = few_heads_block(n) if use_few else GLUON_TILE
         cfg = dataclasses.replace(cfg, block_h=block_h, block_n=GLUON_TILE, num_warps=8,
                                   v_split=1, heads_as_n=False)
     block_l = _next_pow2(L)
@@ -596,8 +621,13 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         if use_fp8_mma:  # its copies are of E4M3 bytes
             kernel = _fp8_mma_kernel()
         if use_few:
-            # a programmatic dependent launch (it waits for the grid before it first)
-            kernel, launch = _few_heads_kernel(), {**launch, "launch_pdl": True}
+            # up to 32 heads a programmatic dependent launch (it waits for the grid
+            # before it first); at 64 heads a program takes a whole SM (its registers
+            # and most of its shared memory), and one launched early would hold an SM
+            # from the grid before it (docs/mla.md)
+            kernel = _few_heads_kernel()
+            launch = ({**launch, "launch_pdl": True} if block_h <= FEW_HEADS_MAX
+                      else {**launch, "maxnreg": _FEW_64_MAXNREG})  # 13 warps launch as 16
         lat_d, pe_d = _gluon_descriptors(kv_cache if use_fp8_mma else cache, L, R,
                                          lat_width=L // 2 if use_lead else None)
         kernel[(head_tiles, splits, t)](
@@ -619,7 +649,8 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     if not single:
         # after the few-heads kernel, a programmatic dependent launch: that kernel lets
         # it launch while it runs, and it waits for that grid's end before reading
-        pdl = {"PDL": True, "launch_pdl": True} if use_few else {}
+        pdl = ({"PDL": True, "launch_pdl": True} if use_few and block_h <= FEW_HEADS_MAX
+               else {})
         combine_kernel[(n, t)](
             o_part, lse_part, out, *part_strides, out.stride(0), out.stride(1), splits,
             KV_LORA=L, BLOCK_S=_next_pow2(splits), BLOCK_L=block_l, num_warps=4, **pdl,
