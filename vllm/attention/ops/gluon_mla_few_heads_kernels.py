@@ -101,6 +101,7 @@ from vllm.attention.ops.gluon_mla_lead_kernels import (
     dims_order,
     log2_int,
     reorder,
+    row_softmax,
     to_score_order,
 )
 from vllm.attention.ops.triton_mla_decode_kernels import row_powers
@@ -525,13 +526,7 @@ def _scores_rows(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descri
     for k in range(n_tiles):
         s = _tile_scores_rows(st_a, st_p, kfull, kfree, q_s, qp_s, k, n_tiles, n_last, ACC)
         b = k % 2
-        # the maximum of the raw scores, scaled once (qk > 0); P in one FMA an element.
-        # Every tile has a key, so m_new is finite.
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk)
-        p = gl.exp2(gl.fma(s, qk[:, None], -m_new[:, None]))
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, p, alpha = row_softmax(s, m_i, l_i, qk)
         pt = gl.permute(p.to(p_bufs.dtype), (1, 0))
         # the value MMAs of tile k - 2 are done with buffer b
         mbarrier.wait(pfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)

@@ -404,13 +404,7 @@ def _lead(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
             _zero_rows(ka_bufs.index(2 * b + 1), n_valid, LOAD)
             keys = gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
             s = gl.where((keys < n_valid)[None, :], s, float("-inf"))
-        # the maximum of the raw scores, scaled once (qk > 0); P in one FMA an element.
-        # Every tile has a key, so m_new is finite.
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk)
-        p = gl.exp2(gl.fma(s, qk[:, None], -m_new[:, None]))
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, p, alpha = row_softmax(s, m_i, l_i, qk)
         p16 = p.to(dtype)
         # the follower's value MMA of tile k - 1 is done with P and its factors
         mbarrier.wait(pfree.index(0), (k - 1) & 1, pred=k > 0)
@@ -434,6 +428,19 @@ def _lead(q_s: gl.shared_memory_descriptor, qp_s: gl.shared_memory_descriptor,
     _store_half(acc, l_i, OUT, O_PART, t, hb, sp, num_heads,
                 stride_xt, stride_xh, stride_pt, stride_ph, stride_ps, single, oscale, 0)
     _store_lse(m_i, l_i, 0.0, LSE_PART, t, hb, sp, num_heads, stride_lt, stride_lh, single)
+
+
+@jit
+def row_softmax(s: gl.tensor, m_i: gl.tensor, l_i: gl.tensor, qk: gl.tensor) -> gl.tensor:
+    """One tile of the online softmax along the rows of the raw scores ``s`` (heads as
+    rows; ``qk`` > 0 turns a head's raw scores into base-2 logits): the maximum taken
+    on the raw scores and scaled once, ``P`` in one FMA an element. Returns the new
+    running maxima, the row sums, ``P`` (float32) and the rows' rescale factors. Every
+    tile has a key, so the new maxima are finite."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk)
+    p = gl.exp2(gl.fma(s, qk[:, None], -m_new[:, None]))
+    alpha = gl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + gl.sum(p, 1), p, alpha
 
 
 @jit

@@ -569,6 +569,11 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     use_lead = use_gluon and cfg.lead
     use_fp8_mma = use_lead and _asks_fp8_mma(cfg, kv_cache, L, R)
     use_few = use_lead and _asks_few_heads(cfg, q_lat.dtype, kv_cache, n, L, R)
+    # the few-heads kernel and its combine as programmatic dependent launches, up to 32
+    # heads: at 64 a program takes a whole SM (its registers and most of its shared
+    # memory), and one launched early would hold an SM from the grid before it
+    # (docs/mla.md); the kernel compiles its griddepcontrol calls to match
+    pdl = use_few and n <= FEW_HEADS_MAX
     if use_gluon:  # its own tiles
         block_h = few_heads_block(n) if use_few else GLUON_TILE
         cfg = dataclasses.replace(cfg, block_h=block_h, block_n=GLUON_TILE, num_warps=8,
@@ -621,12 +626,8 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         if use_fp8_mma:  # its copies are of E4M3 bytes
             kernel = _fp8_mma_kernel()
         if use_few:
-            # up to 32 heads a programmatic dependent launch (it waits for the grid
-            # before it first); at 64 heads a program takes a whole SM (its registers
-            # and most of its shared memory), and one launched early would hold an SM
-            # from the grid before it (docs/mla.md)
             kernel = _few_heads_kernel()
-            launch = ({**launch, "launch_pdl": True} if block_h <= FEW_HEADS_MAX
+            launch = ({**launch, "launch_pdl": True} if pdl
                       else {**launch, "maxnreg": _FEW_64_MAXNREG})  # 13 warps launch as 16
         lat_d, pe_d = _gluon_descriptors(kv_cache if use_fp8_mma else cache, L, R,
                                          lat_width=L // 2 if use_lead else None)
@@ -647,13 +648,13 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                        lc=lc, block_r=block_r, v_split=v_split, scale=scale,
                        max_seq_len=max_seq_len)
     if not single:
-        # after the few-heads kernel, a programmatic dependent launch: that kernel lets
-        # it launch while it runs, and it waits for that grid's end before reading
-        pdl = ({"PDL": True, "launch_pdl": True} if use_few and block_h <= FEW_HEADS_MAX
-               else {})
+        # after the few-heads kernel up to 32 heads, a programmatic dependent launch:
+        # that kernel lets it launch while it runs, and it waits for that grid's end
+        # before reading
         combine_kernel[(n, t)](
             o_part, lse_part, out, *part_strides, out.stride(0), out.stride(1), splits,
-            KV_LORA=L, BLOCK_S=_next_pow2(splits), BLOCK_L=block_l, num_warps=4, **pdl,
+            KV_LORA=L, BLOCK_S=_next_pow2(splits), BLOCK_L=block_l, num_warps=4,
+            **({"PDL": True, "launch_pdl": True} if pdl else {}),
         )
     return out
 
