@@ -728,22 +728,37 @@ def _query_f8_to_shared(Q: gl.tensor, Q_PE: gl.tensor, t: gl.tensor, hb: gl.tens
     # up to 32 heads the query stays in registers between its maximum and its parts; at
     # 64 (144 registers a thread) it is read twice
     KEEP: gl.constexpr = BLOCK_H <= 32
-    xs = ()
-    for c in gl.static_range(2 * HALF // CH):
-        x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0).to(gl.float32)
-        amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
-        if KEEP:
-            xs = _append(xs, x)
-    ksc = gl.load(K_SCALE)
-    down, up = row_powers(amax, 7)
-    for c in gl.static_range(2 * HALF // CH):
-        dst = qa_s.index(c * CH // HALF).slice(c * CH % HALF, CH, dim=1)
-        if KEEP:
-            x = xs[c]
-        else:
+    if KEEP:
+        xs = ()
+        for c in gl.static_range(2 * HALF // CH):
             x = gl.load(q_row + c * CH + cols[None, :], mask=mask_h, other=0.0).to(gl.float32)
-        _query_parts(x * down[:, None], dst.slice(0, BLOCK_H, dim=0),
-                     dst.slice(BLOCK_H, BLOCK_H, dim=0))
+            amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
+            xs = _append(xs, x)
+        ksc = gl.load(K_SCALE)
+        down, up = row_powers(amax, 7)
+        for c in gl.static_range(2 * HALF // CH):
+            dst = qa_s.index(c * CH // HALF).slice(c * CH % HALF, CH, dim=1)
+            _query_parts(xs[c] * down[:, None], dst.slice(0, BLOCK_H, dim=0),
+                         dst.slice(BLOCK_H, BLOCK_H, dim=0))
+    else:
+        # run-time loops (the chunks of a latent half written out): written out whole,
+        # this prologue was 3300 instructions run once a program, and inside a layer
+        # (other kernels between two decodes) the kernel took 160 us against 143 alone;
+        # with the loops 153.5 in the layer (128 heads, batch 64, 4096 keys, H200; code
+        # fetched cold is the suspected cause; docs/mla.md)
+        for ch in range(2 * HALF // CH):
+            x = gl.load(q_row + ch * CH + cols[None, :], mask=mask_h, other=0.0).to(gl.float32)
+            amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
+        down, up = row_powers(amax, 7)
+        for h in range(2):
+            dst_h = qa_s.index(h)
+            for j in gl.static_range(HALF // CH):
+                dst = dst_h.slice(j * CH, CH, dim=1)
+                x = gl.load(q_row + h * HALF + j * CH + cols[None, :], mask=mask_h,
+                            other=0.0).to(gl.float32)
+                _query_parts(x * down[:, None], dst.slice(0, BLOCK_H, dim=0),
+                             dst.slice(BLOCK_H, BLOCK_H, dim=0))
+        ksc = gl.load(K_SCALE)
     _query_parts(xp * down[:, None], qpe_s.slice(0, BLOCK_H, dim=0),
                  qpe_s.slice(BLOCK_H, BLOCK_H, dim=0))
     qk_s.store(sm_scale * LOG2E * ksc * up)
