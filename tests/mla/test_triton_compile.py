@@ -144,6 +144,9 @@ for cap in (80, 90, 100):
                    else ("default", "lead") if cap == 90 else ("default",))
         if cap == 90 and cdt == "fp8":
             engines += ("fp8mma",)
+        # the opt-in 64-head few-heads launch (few_heads_64) at 128 heads
+        if cap == 90 and cdt == "fp8" and heads == 128 and qdt == torch.bfloat16:
+            engines += ("few64",)
         if qdt == torch.float16:
             engines = ("default",)
         for splits, engine in [(s, e) for s in ((1, 4) if cap == 90 and cdt == "auto"
@@ -158,7 +161,8 @@ for cap in (80, 90, 100):
             cfg = {"triton": dataclasses.replace(base, gluon=False),
                    "split": dataclasses.replace(base, lead=False),
                    "lead": dataclasses.replace(base, few_heads=False),
-                   "fp8mma": dataclasses.replace(base, fp8_mma=True)}.get(engine)
+                   "fp8mma": dataclasses.replace(base, fp8_mma=True),
+                   "few64": dataclasses.replace(base, few_heads_64=True)}.get(engine)
             tmd.mla_decode_mma(q, cache, bt, t, t, fmt, scale=0.1, max_seq_len=4096,
                                num_splits=splits, out_dtype=qdt, config=cfg)
             for fn, a, k in calls:
@@ -189,7 +193,11 @@ for cap in (80, 90, 100):
                 if cap == 90:
                     regs, spilled = spill_bytes(c.asm["cubin"])
                     name += f" regs={regs}"
-                    if spilled:
+                    # the opt-in 64-head launch is known to spill (its values' warpgroups
+                    # reload addresses: 104 bytes with four splits, docs/mla.md), which
+                    # keeps it from being a default; a bound catches it growing
+                    allowed = 128 if engine == "few64" else 0
+                    if spilled > allowed:
                         bad.append(f"{spilled} bytes of stack/local (register spills)")
                     if "wgmma" in ptx and wgmma_serialised(ptx):
                         bad.append("ptxas serialised the warpgroup MMAs")
@@ -205,4 +213,4 @@ def test_decode_kernel_compiles_for_sm80_sm90_sm100() -> None:
     done = subprocess.run([sys.executable, "-c", DECODE_CHILD], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    assert done.stdout.count("compiled ") == 37, done.stdout
+    assert done.stdout.count("compiled ") == 39, done.stdout
