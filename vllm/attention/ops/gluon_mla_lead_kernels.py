@@ -56,15 +56,14 @@ from vllm.attention.ops.gluon_mla_decode_kernels import (
     _program_keys,
     constexpr_function,
     jit,
-    widen_fp8,
 )
 from vllm.attention.ops.triton_mla_decode_kernels import row_powers
 
 FOLLOW_REGS: gl.constexpr = gl.constexpr(192)
 """Registers a thread of the follower (its ``[64, L / 2]`` float32 accumulator takes 128)."""
-FOLLOW_REGS_FP8: gl.constexpr = gl.constexpr(168)
+FOLLOW_REGS_FP8: gl.constexpr = gl.constexpr(160)
 """The follower's registers beside the widening warpgroup of an fp8 cache."""
-WIDEN_REGS: gl.constexpr = gl.constexpr(112)
+WIDEN_REGS: gl.constexpr = gl.constexpr(120)
 """Registers a thread of the widening warpgroup: a tile's bytes in flight (72) and one
 widened chunk."""
 
@@ -103,16 +102,47 @@ def _prefetch_l2(ptrs: gl.tensor) -> None:
 
 
 @jit
+def _widen_words(w: gl.tensor, FP8: gl.constexpr) -> gl.tensor:
+    """``[R, C]`` int32 words of four fp8 bytes each (``FP8`` 1: E4M3, 2: E5M2) as
+    ``[R, 2 C]`` int32 words of two float16 each, in the bytes' order, exactly (the
+    hardware conversion, as ``gluon_mla_decode_kernels.widen_fp8``; NaN stays NaN)."""
+    if FP8 == 1:
+        lo, hi = gl.inline_asm_elementwise(
+            "{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, $2;\n\t"
+            "cvt.rn.f16x2.e4m3x2 $0, a;\n\tcvt.rn.f16x2.e4m3x2 $1, b;\n\t}",
+            "=r,=r,r", [w], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    else:
+        lo, hi = gl.inline_asm_elementwise(
+            "{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, $2;\n\t"
+            "cvt.rn.f16x2.e5m2x2 $0, a;\n\tcvt.rn.f16x2.e5m2x2 $1, b;\n\t}",
+            "=r,=r,r", [w], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    return gl.reshape(gl.join(lo, hi), [w.type.shape[0], 2 * w.type.shape[1]])
+
+
+@jit
+def _words_view(buf: gl.shared_memory_descriptor) -> gl.shared_memory_descriptor:
+    """A ``[R, C]`` float16 buffer in its MMA layout as ``[R, C / 2]`` int32 words (the
+    same bytes: the swizzle is of 16-byte chunks inside 128-byte rows either way)."""
+    R: gl.constexpr = buf.type.shape[0]
+    C: gl.constexpr = buf.type.shape[1]
+    LAY: gl.constexpr = gl.NVMMASharedLayout(buf.type.layout.swizzle_byte_width, 32, 2)
+    return buf._reinterpret(gl.int32, [R, C // 2], LAY)
+
+
+@jit
 def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end: gl.tensor,
              n_tiles: gl.tensor, stride_bt: gl.tensor, stride_cb: gl.tensor,
              stride_cs: gl.tensor, page: gl.tensor, ka_bufs: gl.shared_memory_descriptor,
              kp_bufs: gl.shared_memory_descriptor, kfull: gl.shared_memory_descriptor,
              kfree: gl.shared_memory_descriptor) -> None:
     """The widening warpgroup of an fp8 cache (E4M3 or E5M2, ``C``'s element type): tile
-    ``k``'s bytes loaded into registers, then, once both warpgroups are done with tile
+    ``k``'s bytes in registers (loaded during tile ``k - 1``, a part once the same part
+    of tile ``k - 1`` is widened), then, once both warpgroups are done with tile
     ``k - 2``, widened exactly to float16 into buffer ``k % 2`` (the layout of the
     loader's copies); rows at or past ``end`` as zeros (their bytes may be anything, NaN
-    too). The tiles ahead are prefetched into L2 (after tile ``k``, tile ``k + 3``):
+    too). The bytes travel as 32-bit words (a thread's 16 bytes of a row, four words):
+    carried from one iteration to the next as bytes, they took twice the registers and
+    spilled. The tiles ahead are prefetched into L2 (after tile ``k``, tile ``k + 3``):
     loaded from memory when the widening needed them, their latency held the decode at
     175.7 against 154.6 us (128 heads, E4M3, one H200)."""
     BLOCK_N: gl.constexpr = ka_bufs.type.shape[1]
@@ -121,10 +151,12 @@ def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end:
     FP8: gl.constexpr = 1 if C.dtype.element_ty == gl.float8e4nv else 2
     CH: gl.constexpr = 128 if HALF >= 128 else HALF
     NCH: gl.constexpr = HALF // CH
-    BYTES: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, BYTES))
-    cols = gl.arange(0, CH, gl.SliceLayout(0, BYTES))
-    cols_r = gl.arange(0, ROPE, gl.SliceLayout(0, BYTES))
+    # a thread's 16 consecutive bytes of a row, as four words
+    WORDS: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+    rows = gl.arange(0, BLOCK_N, gl.SliceLayout(1, WORDS))
+    cols = gl.arange(0, CH // 4, gl.SliceLayout(0, WORDS))
+    cols_r = gl.arange(0, ROPE // 4, gl.SliceLayout(0, WORDS))
+    C32 = C.to(gl.pointer_type(gl.int32), bitcast=True)
     # a tile's rows, a page's, are contiguous: its 128-byte lines (offsets clamped into
     # the tile), for the L2 prefetch of the tiles ahead, 1 and 2 before the loop and
     # k + 3 after tile k (the last tile again where there is none: every address is in a
@@ -142,45 +174,58 @@ def _widener(C: gl.tensor, BT: gl.tensor, req: gl.tensor, start: gl.tensor, end:
             _prefetch_l2(tile + gl.minimum(lines + 256 * 128, span))
     # block-table entries are loaded an iteration before their use: read where a tile's
     # addresses needed them, each was a round trip to memory in the warpgroup's chain
-    # (tile k's entry before its loads, tile k + 3's before its prefetch)
-    blk_next = gl.load(bt_row + start // page, mask=n_tiles > 0, other=0)
-    blk_pf = gl.load(bt_row + (start + gl.minimum(3, last) * BLOCK_N) // page,
-                     mask=n_tiles > 0, other=0)
+    # (tile k + 1's entry before its loads, tile k + 3's before its prefetch)
+    wcb = stride_cb // 4
+    wcs = stride_cs // 4
+    blk = gl.load(bt_row + start // page, mask=n_tiles > 0, other=0).to(gl.int64)
+    base = C32 + blk * wcb + ((start % page) + rows)[:, None].to(gl.int64) * wcs
+    valid = (start + rows < end)[:, None]
+    x0 = gl.load(base + cols[None, :], mask=valid, other=0)
+    x1 = gl.load(base + CH // 4 + cols[None, :], mask=valid, other=0)
+    if NCH == 2:
+        x2 = gl.load(base + 2 * CH // 4 + cols[None, :], mask=valid, other=0)
+        x3 = gl.load(base + 3 * CH // 4 + cols[None, :], mask=valid, other=0)
+    xr = gl.load(base + 2 * HALF // 4 + cols_r[None, :], mask=valid, other=0)
+    blk_next = gl.load(bt_row + (start + gl.minimum(1, last) * BLOCK_N) // page,
+                       mask=n_tiles > 0, other=0)
     for k in range(n_tiles):
         b = k % 2
-        n0 = start + k * BLOCK_N
-        blk = blk_next.to(gl.int64)
-        blk_next = gl.load(bt_row + (start + gl.minimum(k + 1, last) * BLOCK_N) // page)
+        # tile k + 1's rows (after the last tile: none valid, in the last tile's block)
+        n1 = start + (k + 1) * BLOCK_N
         # (the row offsets from the tile's position, not hoisted out of the loop: kept
         # from the kernel's entry they spilled)
-        base = C + blk * stride_cb + ((n0 % page) + rows)[:, None].to(gl.int64) * stride_cs
-        valid = (n0 + rows < end)[:, None]
-        # every load of the tile issued before the wait for its buffer
-        x0 = gl.load(base + cols[None, :], mask=valid, other=0.0)
-        x1 = gl.load(base + CH + cols[None, :], mask=valid, other=0.0)
-        if NCH == 2:
-            x2 = gl.load(base + 2 * CH + cols[None, :], mask=valid, other=0.0)
-            x3 = gl.load(base + 3 * CH + cols[None, :], mask=valid, other=0.0)
-        xr = gl.load(base + 2 * HALF + cols_r[None, :], mask=valid, other=0.0)
+        base = (C32 + blk_next.to(gl.int64) * wcb
+                + ((n1 % page) + rows)[:, None].to(gl.int64) * wcs)
+        valid = (n1 + rows < end)[:, None]
+        blk_next = gl.load(bt_row + (start + gl.minimum(k + 2, last) * BLOCK_N) // page)
         mbarrier.wait(kfree.index(b), ((k // 2) - 1) & 1, pred=k >= 2)
+        wa0 = _words_view(ka_bufs.index(2 * b))
+        wa1 = _words_view(ka_bufs.index(2 * b + 1))
         if NCH == 2:
-            ka_bufs.index(2 * b).slice(0, CH, dim=1).store(widen_fp8(x0, FP8))
-            ka_bufs.index(2 * b).slice(CH, CH, dim=1).store(widen_fp8(x1, FP8))
-            ka_bufs.index(2 * b + 1).slice(0, CH, dim=1).store(widen_fp8(x2, FP8))
-            ka_bufs.index(2 * b + 1).slice(CH, CH, dim=1).store(widen_fp8(x3, FP8))
+            wa0.slice(0, CH // 2, dim=1).store(_widen_words(x0, FP8))
+            x0 = gl.load(base + cols[None, :], mask=valid, other=0)
+            wa0.slice(CH // 2, CH // 2, dim=1).store(_widen_words(x1, FP8))
+            x1 = gl.load(base + CH // 4 + cols[None, :], mask=valid, other=0)
+            wa1.slice(0, CH // 2, dim=1).store(_widen_words(x2, FP8))
+            x2 = gl.load(base + 2 * CH // 4 + cols[None, :], mask=valid, other=0)
+            wa1.slice(CH // 2, CH // 2, dim=1).store(_widen_words(x3, FP8))
+            x3 = gl.load(base + 3 * CH // 4 + cols[None, :], mask=valid, other=0)
         else:
-            ka_bufs.index(2 * b).store(widen_fp8(x0, FP8))
-            ka_bufs.index(2 * b + 1).store(widen_fp8(x1, FP8))
-        kp_bufs.index(b).store(widen_fp8(xr, FP8))
+            wa0.store(_widen_words(x0, FP8))
+            x0 = gl.load(base + cols[None, :], mask=valid, other=0)
+            wa1.store(_widen_words(x1, FP8))
+            x1 = gl.load(base + CH // 4 + cols[None, :], mask=valid, other=0)
+        _words_view(kp_bufs.index(b)).store(_widen_words(xr, FP8))
+        xr = gl.load(base + 2 * HALF // 4 + cols_r[None, :], mask=valid, other=0)
         # visible to the MMAs (the async proxy), every warp's, before the arrival
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(kfull.index(b))
         n2 = start + gl.minimum(k + 3, last) * BLOCK_N
+        blk_pf = gl.load(bt_row + n2 // page)
         tile = C + blk_pf.to(gl.int64) * stride_cb + (n2 % page).to(gl.int64) * stride_cs
         _prefetch_l2(tile + gl.minimum(lines, span))
         _prefetch_l2(tile + gl.minimum(lines + 256 * 128, span))
-        blk_pf = gl.load(bt_row + (start + gl.minimum(k + 4, last) * BLOCK_N) // page)
 
 
 @jit
