@@ -210,7 +210,8 @@ def record_mla(target: Target) -> list[Call]:
     from vllm.attention.ops import gluon_mla_few_heads_kernels as hkern
     from vllm.attention.ops import gluon_mla_fp8_kernels as fkern
     from vllm.attention.ops import gluon_mla_lead_kernels as lkern
-    from vllm.attention.ops import triton_mla, triton_mla_decode
+    from vllm.attention.ops import head_matmul, triton_mla, triton_mla_decode
+    from vllm.attention.ops import triton_head_matmul_kernels as hm_kern
     from vllm.attention.ops import triton_mla_decode_kernels as dkern
     from vllm.attention.ops import triton_mla_kernels as kern
     from vllm.attention.ops.mla_attention import LatentFormat
@@ -268,6 +269,13 @@ def record_mla(target: Target) -> list[Call]:
                         config=other)
             topk = torch.zeros(2, 64, dtype=torch.int32)
             triton_mla.mla_sparse_triton(q, cache, topk, req, pos, bt, fmt, scale=0.1)
+    # the per-head products around the decode: absorption (K=128) and projection (K=512)
+    hrec = Recorder("head_matmul", hm_kern.head_matmul_kernel, calls)
+    with patched(head_matmul, _kernel=lambda interp: hrec, unsupported_reasons=lambda a, w: []):
+        for dtype in (torch.bfloat16, torch.float16):
+            for t, k, c in ((64, 128, 512), (256, 512, 128), (5, 128, 512)):
+                head_matmul.head_matmul(torch.zeros(t, 128, k, dtype=dtype),
+                                        torch.zeros(128, k, c, dtype=dtype), path="triton")
     return calls
 
 

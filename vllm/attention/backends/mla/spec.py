@@ -59,23 +59,21 @@ class MLAProjection:
         return cls(w_uk=w_uk, w_uv=w_uv)
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """``[T, N, P]`` -> ``[T, N, L]`` (``q_nope[n] @ W_UK[n]``), in ``q_nope.dtype``."""
-        w = self.w_uk.to(device=q_nope.device, dtype=q_nope.dtype)
-        return torch.bmm(q_nope.transpose(0, 1), w).transpose(0, 1)
+        """``[T, N, P]`` -> ``[T, N, L]`` (``q_nope[n] @ W_UK[n]``), in ``q_nope.dtype``
+        (:func:`~vllm.attention.ops.head_matmul.head_matmul`: Triton at decode batch
+        sizes on sm_90+, else ``torch.bmm``)."""
+        from vllm.attention.ops.head_matmul import head_matmul
+
+        return head_matmul(q_nope, self.w_uk.to(device=q_nope.device, dtype=q_nope.dtype))
 
     def project_output(self, o_lat: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
         """``[T, N, L]`` -> ``[T, N, V]`` (``o_lat[n] @ W_UV[n]``), in ``o_lat.dtype``;
         into ``out`` (``[T, N, V]``, that dtype, unit stride on the last axis: the
         rows of a layer's output) when given."""
-        w = self.w_uv.to(device=o_lat.device, dtype=o_lat.dtype)
-        if out is None:
-            return torch.bmm(o_lat.transpose(0, 1), w).transpose(0, 1)
-        if torch.is_grad_enabled() and (o_lat.requires_grad or w.requires_grad):
-            # out= takes no part in autograd
-            return out.copy_(torch.bmm(o_lat.transpose(0, 1), w).transpose(0, 1))
-        torch.bmm(o_lat.transpose(0, 1), w, out=out.transpose(0, 1))
-        return out
+        from vllm.attention.ops.head_matmul import head_matmul
+
+        return head_matmul(o_lat, self.w_uv.to(device=o_lat.device, dtype=o_lat.dtype), out)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,181 @@
+"""One matrix product a head: MLA's query absorption and output projection.
+
+``head_matmul(a, w)`` computes ``C[t, n, :] = A[t, n, :] @ W[n]`` for ``a`` ``[T, N, K]``
+and ``w`` ``[N, K, C]``: ``q_nope @ W_UK`` (``K = P``, ``C = L``) before an absorbed
+decode and ``o_lat @ W_UV`` (``K = L``, ``C = V``) after it.
+
+At decode batch sizes both are reads of the weight (``N K C`` elements, 16 MiB at
+DeepSeek-V3's 128 heads) with little arithmetic. ``torch.bmm`` (cuBLAS) reads them
+at well under the memory rate there. The Triton kernel of
+:mod:`vllm.attention.ops.triton_head_matmul_kernels` runs one program per head
+and column tile. It runs on NVIDIA sm_90+ GPUs with 16-bit operands, and is the
+default there from :data:`TRITON_MIN_HEADS` heads up to :data:`TRITON_MAX_TOKENS`
+rows, where it was measured faster; everything else goes to ``torch.bmm``
+(``benchmarks/bench_head_matmul.py`` measures both; ``docs/mla.md`` has the figures).
+Both accumulate in float32 and round once to the operands' dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Literal
+
+import torch
+
+from vllm.attention.errors import InvalidArgumentError
+
+HeadMatmulPath = Literal["triton", "bmm"]
+
+TRITON_MAX_TOKENS = 64
+"""Rows (decode tokens) up to which :func:`head_matmul_path` picks the Triton kernel."""
+
+TRITON_MIN_HEADS = 64
+"""Heads from which :func:`head_matmul_path` picks the Triton kernel."""
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadMatmulConfig:
+    """Launch parameters of the Triton kernel."""
+
+    block_t: int
+    block_c: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_config(t: int, n: int, k: int, c: int) -> HeadMatmulConfig:
+    """Tiles for ``t`` rows, ``n`` heads, ``k`` inner and ``c`` output columns a head: a
+    small ``K`` (the absorption, ``K = 128``) in two slices over wide column tiles; a
+    long ``K`` (the projection, ``K = 512``) pipelined over narrower ones. With few
+    heads the column tiles narrow until the GPU has :data:`_MIN_PROGRAMS` programs."""
+    block_t = min(64, _pow2_at_least(t, 16))
+    rows = -(-t // block_t)
+    if k <= 128:
+        block_c, stages = min(128, _pow2_at_least(c, 16)), 2
+    else:
+        block_c, stages = min(64, _pow2_at_least(c, 16)), 3
+    while block_c > 32 and n * -(-c // block_c) * rows < _MIN_PROGRAMS:
+        block_c //= 2
+    return HeadMatmulConfig(block_t, block_c, 64, 4, stages)
+
+
+_MIN_PROGRAMS = 256
+"""About two programs for each of an H100/H200's 132 SMs."""
+
+
+def _pow2_at_least(x: int, floor: int) -> int:
+    return max(floor, 1 << max(0, (x - 1).bit_length()))
+
+
+def unsupported_reasons(a: torch.Tensor, w: torch.Tensor) -> list[str]:
+    """Why the Triton kernel does not take ``a @ w`` (empty: it does)."""
+    from vllm.attention.writers.kernels.device import nvidia_capability
+
+    reasons = []
+    if a.device.type != "cuda":
+        reasons.append(f"device {a.device}: the kernel runs on CUDA GPUs")
+    else:
+        cap = nvidia_capability(a.device)
+        if cap is None or cap < (9, 0):
+            reasons.append(f"GPU capability {cap} (or not NVIDIA): the kernel is measured "
+                           "against cuBLAS on NVIDIA sm_90+ only")
+    if a.dtype not in _HALF or w.dtype != a.dtype:
+        reasons.append(f"dtypes {a.dtype} x {w.dtype}: the kernel takes float16 or "
+                       "bfloat16, the same for both")
+    if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
+        reasons.append("autograd: the kernel has no backward")
+    return reasons
+
+
+def _check(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
+    if a.dim() != 3:
+        raise InvalidArgumentError("a.shape", tuple(a.shape), "[T, N, K]")
+    t, n, k = a.shape
+    if w.dim() != 3 or w.shape[0] != n or w.shape[1] != k:
+        raise InvalidArgumentError("w.shape", tuple(w.shape), f"[N={n}, K={k}, C]")
+    if w.device != a.device:
+        raise InvalidArgumentError("w.device", w.device, f"a's device {a.device}")
+    if out is not None:
+        want = (t, n, w.shape[2])
+        if tuple(out.shape) != want:
+            raise InvalidArgumentError("out.shape", tuple(out.shape), f"{list(want)}")
+        if out.dtype != a.dtype or out.device != a.device:
+            raise InvalidArgumentError("out", (out.dtype, out.device),
+                                       f"a's dtype and device ({a.dtype}, {a.device})")
+
+
+def head_matmul_path(a: torch.Tensor, w: torch.Tensor) -> HeadMatmulPath:
+    """The path :func:`head_matmul` takes for these operands: the Triton kernel where it
+    runs and was measured faster than cuBLAS (at most :data:`TRITON_MAX_TOKENS` rows, at
+    least :data:`TRITON_MIN_HEADS` heads), else ``torch.bmm``."""
+    if unsupported_reasons(a, w):
+        return "bmm"
+    t, n = a.shape[0], a.shape[1]
+    return "triton" if t <= TRITON_MAX_TOKENS and n >= TRITON_MIN_HEADS else "bmm"
+
+
+def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
+                path: HeadMatmulPath | None = None,
+                config: HeadMatmulConfig | None = None) -> torch.Tensor:
+    """``[T, N, K] @ [N, K, C] -> [T, N, C]`` per head, in ``a.dtype``.
+
+    Args:
+        a: ``[T, N, K]``, any strides.
+        w: ``[N, K, C]`` in ``a``'s dtype, on its device.
+        out: ``[T, N, C]`` (any strides, ``a``'s dtype): written in place and returned.
+        path: force ``"triton"`` (an error where :func:`unsupported_reasons` says it
+            cannot run, except under ``TRITON_INTERPRET=1`` on CPU tensors) or
+            ``"bmm"``; default :func:`head_matmul_path`.
+        config: the Triton kernel's tiles (default :func:`default_config`).
+    """
+    _check(a, w, out)
+    if path is None:
+        path = head_matmul_path(a, w)
+    if path == "bmm":
+        return _bmm(a, w, out)
+    if path != "triton":
+        raise InvalidArgumentError("path", path, "'triton', 'bmm' or None")
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1" and a.device.type == "cpu"
+    if not interp:
+        reasons = unsupported_reasons(a, w)
+        if reasons:
+            raise InvalidArgumentError("path", path, "a path that runs here: "
+                                       + "; ".join(reasons))
+    t, n, k = a.shape
+    c = w.shape[2]
+    if out is None:
+        out = torch.empty(t, n, c, dtype=a.dtype, device=a.device)
+    if t == 0 or n == 0 or c == 0:
+        return out
+    cfg = config or default_config(t, n, k, c)
+    _kernel(interp)[(n, -(-c // cfg.block_c), -(-t // cfg.block_t))](
+        a, w, out, t,
+        a.stride(0), a.stride(1), a.stride(2),
+        w.stride(0), w.stride(1), w.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        K=k, C=c, BLOCK_T=cfg.block_t, BLOCK_C=cfg.block_c, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, EVEN_C=c % cfg.block_c == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _kernel(interpret: bool) -> Any:
+    from vllm.attention.ops.triton_loader import load_kernel_module
+
+    return load_kernel_module("vllm.attention.ops.triton_head_matmul_kernels",
+                              interpret=interpret).head_matmul_kernel
+
+
+def _bmm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.bmm(a.transpose(0, 1), w).transpose(0, 1)
+    if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
+        # out= takes no part in autograd
+        return out.copy_(torch.bmm(a.transpose(0, 1), w).transpose(0, 1))
+    torch.bmm(a.transpose(0, 1), w, out=out.transpose(0, 1))
+    return out
