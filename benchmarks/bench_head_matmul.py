@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     for n, t in [(n, t) for n in args.heads for t in args.sweep]:
         for op, configs in SWEEP.items():
             a, w, out = _operands(op, t, n, device, seed=t)
-            base = default_config(t, n, a.shape[2], w.shape[2])
+            base = default_config(t, a.shape[2], w.shape[2])
             for cfg in (base, *(HeadMatmulConfig(*c) for c in configs if
                                 HeadMatmulConfig(*c) != base)):
                 fn = partial(head_matmul, a, w, out, path="triton", config=cfg)

@@ -5,13 +5,15 @@ and ``w`` ``[N, K, C]``: ``q_nope @ W_UK`` (``K = P``, ``C = L``) before an abso
 decode and ``o_lat @ W_UV`` (``K = L``, ``C = V``) after it.
 
 At decode batch sizes both are reads of the weight (``N K C`` elements, 16 MiB at
-DeepSeek-V3's 128 heads) with little arithmetic. ``torch.bmm`` (cuBLAS) reads them
-at well under the memory rate there. The Triton kernel of
-:mod:`vllm.attention.ops.triton_head_matmul_kernels` runs one program per head
-and column tile. It runs on NVIDIA sm_90+ GPUs with 16-bit operands, and is the
-default there from :data:`TRITON_MIN_HEADS` heads up to :data:`TRITON_MAX_TOKENS`
-rows, where it was measured faster; everything else goes to ``torch.bmm``
-(``benchmarks/bench_head_matmul.py`` measures both; ``docs/mla.md`` has the figures).
+DeepSeek-V3's 128 heads) with little arithmetic, and in a layer the weight comes cold
+from memory (the decode before has streamed the cache through L2). The Triton kernel
+of :mod:`vllm.attention.ops.triton_head_matmul_kernels` runs one program per head and
+column tile. On the H200, at 128 heads and up to 64 rows, it takes 0-8 % less time
+than ``torch.bmm`` (cuBLAS) with the weights cold, and about 2 us off a 170 us decode
+layer; at 64 heads and fewer, or from 128 rows, cuBLAS is as fast or faster
+(``benchmarks/bench_head_matmul.py``; ``docs/mla.md`` has the figures). So it is the
+default on NVIDIA sm_90+ GPUs, 16-bit operands, from :data:`TRITON_MIN_HEADS` heads up
+to :data:`TRITON_MAX_TOKENS` rows, and ``torch.bmm`` everywhere else.
 Both accumulate in float32 and round once to the operands' dtype.
 """
 
@@ -30,8 +32,9 @@ HeadMatmulPath = Literal["triton", "bmm"]
 TRITON_MAX_TOKENS = 64
 """Rows (decode tokens) up to which :func:`head_matmul_path` picks the Triton kernel."""
 
-TRITON_MIN_HEADS = 64
-"""Heads from which :func:`head_matmul_path` picks the Triton kernel."""
+TRITON_MIN_HEADS = 128
+"""Heads from which :func:`head_matmul_path` picks the Triton kernel (at 64 heads the
+projection was slower than cuBLAS with every tile tried, the absorption no faster)."""
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -47,24 +50,16 @@ class HeadMatmulConfig:
     num_stages: int = 2
 
 
-def default_config(t: int, n: int, k: int, c: int) -> HeadMatmulConfig:
-    """Tiles for ``t`` rows, ``n`` heads, ``k`` inner and ``c`` output columns a head: a
-    small ``K`` (the absorption, ``K = 128``) in two slices over wide column tiles; a
-    long ``K`` (the projection, ``K = 512``) pipelined over narrower ones. With few
-    heads the column tiles narrow until the GPU has :data:`_MIN_PROGRAMS` programs."""
+def default_config(t: int, k: int, c: int) -> HeadMatmulConfig:
+    """Tiles for ``t`` rows, ``k`` inner and ``c`` output columns a head: a small ``K``
+    (the absorption, ``K = 128``) in two slices over wide column tiles; a long ``K``
+    (the projection, ``K = 512``) pipelined over narrower ones (at 128 heads and 64
+    rows, no tile of ``benchmarks/bench_head_matmul.py --sweep`` beat these by more
+    than its noise)."""
     block_t = min(64, _pow2_at_least(t, 16))
-    rows = -(-t // block_t)
     if k <= 128:
-        block_c, stages = min(128, _pow2_at_least(c, 16)), 2
-    else:
-        block_c, stages = min(64, _pow2_at_least(c, 16)), 3
-    while block_c > 32 and n * -(-c // block_c) * rows < _MIN_PROGRAMS:
-        block_c //= 2
-    return HeadMatmulConfig(block_t, block_c, 64, 4, stages)
-
-
-_MIN_PROGRAMS = 256
-"""About two programs for each of an H100/H200's 132 SMs."""
+        return HeadMatmulConfig(block_t, min(128, _pow2_at_least(c, 16)), 64, 4, 2)
+    return HeadMatmulConfig(block_t, min(64, _pow2_at_least(c, 16)), 64, 4, 3)
 
 
 def _pow2_at_least(x: int, floor: int) -> int:
@@ -151,7 +146,7 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         out = torch.empty(t, n, c, dtype=a.dtype, device=a.device)
     if t == 0 or n == 0 or c == 0:
         return out
-    cfg = config or default_config(t, n, k, c)
+    cfg = config or default_config(t, k, c)
     _kernel(interp)[(n, -(-c // cfg.block_c), -(-t // cfg.block_t))](
         a, w, out, t,
         a.stride(0), a.stride(1), a.stride(2),
