@@ -62,6 +62,7 @@ INTERP_CASES = [  # t, n, k, c, dtype
     (19, 2, 80, 40, torch.float16),   # neither: masked K and C
     (33, 2, 96, 48, torch.float32),   # two row tiles
     (1, 4, 64, 24, torch.float32),
+    (6, 2, 64, 32, torch.bfloat16),   # on float32 copies under the interpreter
 ]
 
 
