@@ -147,9 +147,9 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     if t == 0 or n == 0 or c == 0:
         return out
     if interp and a.dtype == torch.bfloat16:
-        # Triton's CPU interpreter reads bfloat16 wrongly in some processes (NumPy has no
-        # bfloat16): there the kernel runs on float32 copies (the same products: float32
-        # accumulation, one rounding into ``out``)
+        # Triton's CPU interpreter gets bfloat16 dots wrong (as in triton_mla): there the
+        # kernel runs on float32 copies (the same products: float32 accumulation, one
+        # rounding into ``out``)
         return out.copy_(head_matmul(a.float(), w.float(), path="triton", config=config))
     cfg = config or default_config(t, k, c)
     _kernel(interp)[(n, -(-c // cfg.block_c), -(-t // cfg.block_t))](
