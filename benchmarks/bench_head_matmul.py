@@ -15,7 +15,8 @@ Each is timed two ways, as device time per call of its kernels (``torch.profiler
 The read rate (the larger of a 2 GiB copy and a sum, as ``bench_mla_decode.py``
 measures it) is measured in the same run; each cold row reports the bytes the
 product must move (weight, operand, result) over its time, as a fraction of that
-rate. Every result is checked against float64 (relative max error, both paths).
+rate. Every result is checked against float64 (relative max error, both paths; exit 1
+above ``MAX_ERR``).
 ``--sweep`` also times alternative tiles of the Triton kernel at some token counts
 (for every ``--heads``).
 
@@ -54,6 +55,9 @@ from vllm.attention.ops.head_matmul import (
 )
 
 P, R, L, V = 128, 64, 512, 128
+MAX_ERR = 1e-2
+"""Largest relative max error against float64 (a bf16 result's rounding is 2**-9 of each
+element; the relative max error is against the largest): beyond it the run fails."""
 SWEEP = {  # op: (block_t, block_c, block_k, num_warps, num_stages) alternatives
     "absorb": [(64, 128, 64, 4, 2), (64, 128, 128, 4, 1), (64, 64, 64, 4, 2),
                (64, 64, 128, 4, 1), (64, 32, 128, 4, 1), (64, 128, 64, 8, 2),
@@ -172,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
                                 ("err", "err", ".1e"), ("error", "error", "")])
     write_report(args.out, "head_matmul", {"device": device_info(device), "read_gbps": read,
                                            "rows": rows, "sweep": sweep}, text.getvalue())
+    worst = max([r[f"{path}_err"] for r in rows for path in ("bmm", "triton")]
+                + [r["err"] for r in sweep if "err" in r], default=0.0)
+    if worst > MAX_ERR:
+        print(f"relative error {worst:.2e} against float64 above {MAX_ERR}")
+        return 1
     return 0
 
 
