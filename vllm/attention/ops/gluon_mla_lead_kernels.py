@@ -101,21 +101,22 @@ def _prefetch_l2(ptrs: gl.tensor) -> None:
                               dtype=gl.int32, is_pure=False, pack=1)
 
 
+@constexpr_function
+def _widen_pair_asm(fp8: int) -> str:
+    """PTX widening a word's four fp8 bytes (``fp8`` 1: E4M3, 2: E5M2) into two words of
+    two float16 each."""
+    kind = "e4m3x2" if fp8 == 1 else "e5m2x2"
+    return ("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, $2;\n\t"
+            f"cvt.rn.f16x2.{kind} $0, a;\n\tcvt.rn.f16x2.{kind} $1, b;\n\t}}")
+
+
 @jit
 def _widen_words(w: gl.tensor, FP8: gl.constexpr) -> gl.tensor:
     """``[R, C]`` int32 words of four fp8 bytes each (``FP8`` 1: E4M3, 2: E5M2) as
     ``[R, 2 C]`` int32 words of two float16 each, in the bytes' order, exactly (the
     hardware conversion, as ``gluon_mla_decode_kernels.widen_fp8``; NaN stays NaN)."""
-    if FP8 == 1:
-        lo, hi = gl.inline_asm_elementwise(
-            "{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, $2;\n\t"
-            "cvt.rn.f16x2.e4m3x2 $0, a;\n\tcvt.rn.f16x2.e4m3x2 $1, b;\n\t}",
-            "=r,=r,r", [w], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    else:
-        lo, hi = gl.inline_asm_elementwise(
-            "{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, $2;\n\t"
-            "cvt.rn.f16x2.e5m2x2 $0, a;\n\tcvt.rn.f16x2.e5m2x2 $1, b;\n\t}",
-            "=r,=r,r", [w], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    lo, hi = gl.inline_asm_elementwise(_widen_pair_asm(FP8), "=r,=r,r", [w],
+                                       dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
     return gl.reshape(gl.join(lo, hi), [w.type.shape[0], 2 * w.type.shape[1]])
 
 
