@@ -20,12 +20,13 @@ Both accumulate in float32 and round once to the operands' dtype.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Literal
 
 import torch
 
 from vllm.attention.errors import InvalidArgumentError
+from vllm.attention.ops.triton_loader import interpreting
+from vllm.attention.writers.kernels.device import next_pow2, nvidia_capability
 
 HeadMatmulPath = Literal["triton", "bmm"]
 
@@ -56,20 +57,15 @@ def default_config(t: int, k: int, c: int) -> HeadMatmulConfig:
     (the projection, ``K = 512``) pipelined over narrower ones (at 128 heads and 64
     rows, no tile of ``benchmarks/bench_head_matmul.py --sweep`` beat these by more
     than its noise)."""
-    block_t = min(64, _pow2_at_least(t, 16))
+    block_t = min(64, max(16, next_pow2(t)))
+    block_c = max(16, next_pow2(c))
     if k <= 128:
-        return HeadMatmulConfig(block_t, min(128, _pow2_at_least(c, 16)), 64, 4, 2)
-    return HeadMatmulConfig(block_t, min(64, _pow2_at_least(c, 16)), 64, 4, 3)
-
-
-def _pow2_at_least(x: int, floor: int) -> int:
-    return max(floor, 1 << max(0, (x - 1).bit_length()))
+        return HeadMatmulConfig(block_t, min(128, block_c), 64, 4, 2)
+    return HeadMatmulConfig(block_t, min(64, block_c), 64, 4, 3)
 
 
 def unsupported_reasons(a: torch.Tensor, w: torch.Tensor) -> list[str]:
     """Why the Triton kernel does not take ``a @ w`` (empty: it does)."""
-    from vllm.attention.writers.kernels.device import nvidia_capability
-
     reasons = []
     if a.device.type != "cuda":
         reasons.append(f"device {a.device}: the kernel runs on CUDA GPUs")
@@ -109,8 +105,11 @@ def head_matmul_path(a: torch.Tensor, w: torch.Tensor) -> HeadMatmulPath:
     least :data:`TRITON_MIN_HEADS` heads), else ``torch.bmm``."""
     if unsupported_reasons(a, w):
         return "bmm"
-    t, n = a.shape[0], a.shape[1]
-    return "triton" if t <= TRITON_MAX_TOKENS and n >= TRITON_MIN_HEADS else "bmm"
+    return "triton" if _triton_measured_faster(a) else "bmm"
+
+
+def _triton_measured_faster(a: torch.Tensor) -> bool:
+    return a.shape[0] <= TRITON_MAX_TOKENS and a.shape[1] >= TRITON_MIN_HEADS
 
 
 def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -128,18 +127,18 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         config: the Triton kernel's tiles (default :func:`default_config`).
     """
     _check(a, w, out)
-    if path is None:
-        path = head_matmul_path(a, w)
-    if path == "bmm":
-        return _bmm(a, w, out)
-    if path != "triton":
+    if path not in (None, "triton", "bmm"):
         raise InvalidArgumentError("path", path, "'triton', 'bmm' or None")
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1" and a.device.type == "cpu"
-    if not interp:
-        reasons = unsupported_reasons(a, w)
-        if reasons:
+    interp = interpreting() and a.device.type == "cpu"
+    if path != "bmm":  # the kernel's conditions, asked once a call
+        reasons = [] if path == "triton" and interp else unsupported_reasons(a, w)
+        if path is None:
+            path = "bmm" if reasons or not _triton_measured_faster(a) else "triton"
+        elif reasons:
             raise InvalidArgumentError("path", path, "a path that runs here: "
                                        + "; ".join(reasons))
+    if path == "bmm":
+        return _bmm(a, w, out)
     t, n, k = a.shape
     c = w.shape[2]
     if out is None:

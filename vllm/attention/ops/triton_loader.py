@@ -18,6 +18,12 @@ import sys
 from types import ModuleType
 
 
+def interpreting() -> bool:
+    """True when ``TRITON_INTERPRET=1``: kernels launched now run under the CPU
+    interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def _is_interpreted(module: ModuleType) -> bool:
     return any(type(v).__name__ == "InterpretedFunction" for v in vars(module).values())
 

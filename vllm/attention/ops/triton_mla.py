@@ -13,7 +13,6 @@ tile scale, 16-bit rope). Triton is imported on first use only.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -21,14 +20,15 @@ import torch
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.layouts import FP8_DS_MLA_TILE
 from vllm.attention.ops.mla_attention import LatentFormat
-from vllm.attention.writers.kernels.device import hardware_fp8
+from vllm.attention.ops.triton_loader import interpreting
+from vllm.attention.writers.kernels.device import hardware_fp8, next_pow2
 
 _NATIVE, _FP8, _FP8_DS = 0, 1, 2
 _BLOCK_N = 16
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+_interpreting = interpreting
+"""(A module attribute of its own, so that tests can stand it in for a GPU run.)"""
 
 
 def _kernels(interpret: bool) -> tuple[Any, Any]:
@@ -37,10 +37,6 @@ def _kernels(interpret: bool) -> tuple[Any, Any]:
 
     k = load_kernel_module("vllm.attention.ops.triton_mla_kernels", interpret=interpret)
     return k.mla_split_kernel, k.mla_combine_kernel
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _cache_views(kv_cache: torch.Tensor, fmt: LatentFormat) -> tuple[int, torch.Tensor,
@@ -86,7 +82,7 @@ def _launch(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
     req = token_req.to(torch.int32)
     pos = token_pos.to(torch.int32)
     idx = req if topk is None else topk
-    block_h = 16 if n >= 16 else max(1, _next_pow2(n))
+    block_h = 16 if n >= 16 else max(1, next_pow2(n))
     block_h = max(block_h, 16) if q.is_cuda else block_h
     # the interpreter mis-multiplies bfloat16 dots; there they run in float32
     half = q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and not interp)
@@ -102,14 +98,14 @@ def _launch(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
         HW_FP8=hardware_fp8(q.device), IS_SPARSE=topk is not None,
         HALF_DOT=half, DYNAMIC_LOOP=not interp,
         MAX_ITERS=-(-(-(-num_keys // splits)) // _BLOCK_N) + 1 if interp else 0,
-        BLOCK_H=block_h, BLOCK_N=_BLOCK_N, BLOCK_L=_next_pow2(L), BLOCK_R=_next_pow2(R),
+        BLOCK_H=block_h, BLOCK_N=_BLOCK_N, BLOCK_L=next_pow2(L), BLOCK_R=next_pow2(R),
     )
     combine_kernel[(t, n)](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
         lse_part.stride(1), out.stride(0), out.stride(1), splits,
         # one compiled variant for every split count up to 32
-        KV_LORA=L, BLOCK_S=max(32, _next_pow2(splits)), BLOCK_L=_next_pow2(L),
+        KV_LORA=L, BLOCK_S=max(32, next_pow2(splits)), BLOCK_L=next_pow2(L),
     )
     return out
 

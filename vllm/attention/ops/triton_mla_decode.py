@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,8 @@ import torch
 
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.mla_attention import LatentFormat
-from vllm.attention.writers.kernels.device import GPU, gpu_of, multiprocessors
+from vllm.attention.ops.triton_loader import interpreting
+from vllm.attention.writers.kernels.device import GPU, gpu_of, multiprocessors, next_pow2
 
 MAX_SPLITS = 64
 """The most splits of one token's keys (the combine kernel unrolls over them)."""
@@ -163,10 +163,6 @@ def default_config(q_dtype: torch.dtype, gpu: GPU | None, *, num_heads: int = 12
     return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @functools.cache
 def _device_facts(device: torch.device) -> tuple[int, GPU | None]:
     """(multiprocessor count, GPU) of a CUDA or ROCm device, (1, None) elsewhere."""
@@ -222,8 +218,8 @@ def _dot_fp32(q_dtype: torch.dtype, interp: bool) -> bool:
     return q_dtype not in _HALF or (interp and q_dtype == torch.bfloat16)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+_interpreting = interpreting
+"""(A module attribute of its own, so that tests can stand it in for a GPU run.)"""
 
 
 def _hw_fp8(gpu: GPU | None) -> bool:
@@ -578,10 +574,10 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         block_h = few_heads_block(n) if use_few else GLUON_TILE
         cfg = dataclasses.replace(cfg, block_h=block_h, block_n=GLUON_TILE, num_warps=8,
                                   v_split=1, heads_as_n=False)
-    block_l = _next_pow2(L)
+    block_l = next_pow2(L)
     chunks = 1 if block_l <= _MAX_BOX else cfg.latent_chunks
     lc = block_l // chunks
-    block_r = _next_pow2(R)
+    block_r = next_pow2(R)
     v_split = cfg.v_split if chunks == 2 else 1
     block_h = cfg.block_h
     page = int(kv_cache.shape[1])
@@ -653,7 +649,7 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
         # before reading
         combine_kernel[(n, t)](
             o_part, lse_part, out, *part_strides, out.stride(0), out.stride(1), splits,
-            KV_LORA=L, BLOCK_S=_next_pow2(splits), BLOCK_L=block_l, num_warps=4,
+            KV_LORA=L, BLOCK_S=next_pow2(splits), BLOCK_L=block_l, num_warps=4,
             **({"PDL": True, "launch_pdl": True} if pdl else {}),
         )
     return out

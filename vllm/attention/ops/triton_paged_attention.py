@@ -21,7 +21,11 @@ from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.paged_args import PagedBatchLike, check_paged_args
 from vllm.attention.ops.paged_kv import Dequant, PagedKV
 from vllm.attention.types import KVCacheLayout
-from vllm.attention.writers.kernels.device import multiprocessors, nvidia_capability
+from vllm.attention.writers.kernels.device import (
+    multiprocessors,
+    next_pow2,
+    nvidia_capability,
+)
 
 _KERNELS = "vllm.attention.ops.triton_paged_kernels"
 LOG2E = math.log2(math.e)
@@ -98,10 +102,6 @@ class TritonLaunchConfig:
     """Launch query tiles last-first, so the longest (causal) tiles start first."""
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @functools.cache  # called on every decode launch, with few distinct arguments
 def split_heuristic(*, programs: int, num_sms: int, max_splits: int) -> int:
     """Fewest splits whose last wave of programs is nearly full.
@@ -139,13 +139,13 @@ def choose_config(
     queries and heads up to 128).
     """
     group = num_heads // kv.num_kv_heads
-    small_m = max(16, _pow2(group))
+    small_m = max(16, next_pow2(group))
     rows = max(1, max_query_len) * group
     decode = rows <= small_m
     if decode:
         block_m = small_m
     else:
-        block_m = max(_pow2(group), 128 if rows >= 4096 and group <= 8 else 64)
+        block_m = max(next_pow2(group), 128 if rows >= 4096 and group <= 8 else 64)
     wide = max(kv.head_size, kv.head_size_v)
     fp32 = query_dtype == torch.float32
     block_n = 64 if wide <= 128 and not fp32 else 32
@@ -326,7 +326,7 @@ def paged_attention_triton(
         qk_scale, softcap_log2, int(sliding_window or 0), batch.num_reqs,
         GROUP=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
         HEAD_K=kv.head_size, HEAD_V=dv,
-        HEAD_K_PAD=max(16, _pow2(kv.head_size)), HEAD_V_PAD=max(16, _pow2(dv)),
+        HEAD_K_PAD=max(16, next_pow2(kv.head_size)), HEAD_V_PAD=max(16, next_pow2(dv)),
         BLOCK_SIZE=kv.block_size,
         K_TS=k.token_split, K_DS=k.dim_split, K_SDL=ksdl,
         V_TS=v.token_split, V_DS=v.dim_split, V_SDL=vsdl,
@@ -342,8 +342,8 @@ def paged_attention_triton(
         reduce: Any = kern.reduce_splits_kernel[(num_tokens, hq)]
         reduce(
             out, int(out.stride(0)), int(out.stride(1)), acc, ws_m, ws_l, hq,
-            NUM_SPLITS=splits, SPLITS_PAD=_pow2(splits), HEAD_V=dv,
-            HEAD_V_PAD=max(16, _pow2(dv)), num_warps=4,
+            NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits), HEAD_V=dv,
+            HEAD_V_PAD=max(16, next_pow2(dv)), num_warps=4,
         )
     if out is not output:
         output[:num_tokens].copy_(out[:num_tokens])

@@ -126,6 +126,12 @@ TRITON_DEFAULT_WARPS: Final = 4
 """``num_warps`` of a launch that sets none (the tiled scatter)."""
 
 
+def next_pow2(n: int) -> int:
+    """The least power of two ``>= n`` (1 for ``n <= 1``): the block sizes of every
+    launch (``tl.arange`` takes powers of two)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def input_tiles(kernel: str, consts: Mapping[str, int | bool]) -> list[int]:
     """Element counts of the tiles of input rows one program of ``kernel``
     (``scatter_kv_tiled_kernel`` or ``rope_kv_kernel``) holds, from its constexprs."""

@@ -55,10 +55,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS[t.element_size()])
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @dataclass(frozen=True)
 class ScatterTarget:
     """Where element ``(slot, head, dim)`` of one operand (K or V) is stored.

@@ -8,7 +8,7 @@ from typing import Final
 
 import torch
 
-from vllm.attention.writers.kernels.device import fp8_consts, packed_widen
+from vllm.attention.writers.kernels.device import fp8_consts, next_pow2, packed_widen
 from vllm.attention.writers.kernels.launch import (
     _IN_KIND,
     _MAX_TILE,
@@ -17,7 +17,6 @@ from vllm.attention.writers.kernels.launch import (
     _bits,
     _bs_shift,
     _one_scale,
-    _pow2,
     _rows,
 )
 
@@ -67,12 +66,12 @@ def _rope_launch(
     n = positions.shape[0]
     hk, dk = key.shape[1], key.shape[2]
     half = cos_sin_cache.shape[1] // 2
-    block_r = _pow2(half)
+    block_r = next_pow2(half)
     pass_k = 2 * half < dk
-    block_pk = _pow2(dk - 2 * half) if pass_k else 1
+    block_pk = next_pow2(dk - 2 * half) if pass_k else 1
     if query is not None:
         hq = query.shape[1]
-        block_hq = min(_pow2(hq), max(1, _MAX_TILE // (2 * block_r)))
+        block_hq = min(next_pow2(hq), max(1, _MAX_TILE // (2 * block_r)))
         q_groups = -(-hq // block_hq)
         q_args: tuple[torch.Tensor | int, ...] = (*_rows(query), hq, q_groups)
         q_role: tuple[str, ...] = ("query",)
@@ -100,7 +99,7 @@ def _rope_launch(
         if mode == 0:  # unscaled: the scale pointers are never read; keep them on the device
             k_scale = v_scale = slot_mapping
             scale_roles = ("slots", "slots")
-        block_dv = _pow2(v_target.head_size)
+        block_dv = next_pow2(v_target.head_size)
         width = max(2 * block_r, block_pk, block_dv)
         rows = n if query is not None else slot_mapping.shape[0]
         w_args = (slot_mapping, slot_mapping.stride(0), slot_mapping.shape[0], rows,
@@ -113,7 +112,7 @@ def _rope_launch(
         xsplit = {"K_XO": k_target.off_split, "K_XD": k_target.dim_split,
                   "V_XO": v_target.off_split, "V_XD": v_target.dim_split}
         bs_shift = _bs_shift(k_target.block_size)
-    block_hk = min(_pow2(hk), max(1, _MAX_TILE // width))
+    block_hk = min(next_pow2(hk), max(1, _MAX_TILE // width))
     kv_groups = -(-hk // block_hk)
     args: tuple[torch.Tensor | int, ...] = (
         positions, positions.stride(0),

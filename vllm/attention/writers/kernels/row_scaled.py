@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from vllm.attention.writers.kernels.launch import _IN_KIND, _MAX_TILE, Launch, _bits, _pow2, _rows
+from vllm.attention.writers.kernels.device import next_pow2
+from vllm.attention.writers.kernels.launch import (
+    _IN_KIND,
+    _MAX_TILE,
+    Launch,
+    _bits,
+    _rows,
+)
 
 
 def per_token_head_launch(
@@ -20,8 +27,8 @@ def per_token_head_launch(
     """:func:`per_token_head`'s launch."""
     _, bs, h, d4 = k_view.shape
     d = d4 - 4
-    block_d = _pow2(d)
-    block_h = min(_pow2(h), max(1, _MAX_TILE // block_d))
+    block_d = next_pow2(d)
+    block_h = min(next_pow2(h), max(1, _MAX_TILE // block_d))
     return Launch(
         "per_token_head_kernel", (slot_mapping.shape[0], -(-h // block_h)),
         (slot_mapping, slot_mapping.stride(0),

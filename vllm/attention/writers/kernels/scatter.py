@@ -12,7 +12,12 @@ from typing import Final, Literal
 
 import torch
 
-from vllm.attention.writers.kernels.device import TRITON_DEFAULT_WARPS, fp8_consts, packed_widen
+from vllm.attention.writers.kernels.device import (
+    TRITON_DEFAULT_WARPS,
+    fp8_consts,
+    next_pow2,
+    packed_widen,
+)
 from vllm.attention.writers.kernels.launch import (
     _IN_KIND,
     _MAX_TILE,
@@ -21,7 +26,6 @@ from vllm.attention.writers.kernels.launch import (
     _bits,
     _bs_shift,
     _one_scale,
-    _pow2,
     _rows,
 )
 
@@ -47,8 +51,8 @@ def scatter_kv_launch(
     n = slot_mapping.shape[0]
     h = k_target.num_heads
     dk, dv = k_target.head_size, v_target.head_size
-    block_dk, block_dv = _pow2(dk), _pow2(dv)
-    block_h = min(_pow2(h), max(1, _MAX_TILE // max(block_dk, block_dv)))
+    block_dk, block_dv = next_pow2(dk), next_pow2(dv)
+    block_h = min(next_pow2(h), max(1, _MAX_TILE // max(block_dk, block_dv)))
     if scatter_kernel_for(k_target, v_target) == "tiled":
         block_t = tokens_per_program(n, block_h * max(block_dk, block_dv))
         consts: dict[str, int | bool] = {
