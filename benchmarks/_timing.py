@@ -13,7 +13,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +204,19 @@ def capture(fn: Callable[[], object], *, reps: int = 1) -> torch.cuda.CUDAGraph:
 def replay_us(graph: torch.cuda.CUDAGraph, *, replays: int = 200, rounds: int = 3) -> float:
     """Device time per replay (CUDA events around ``replays`` back-to-back replays)."""
     return event_us(graph.replay, iters=replays, warmup=5, rounds=rounds)
+
+
+def alternating_replay_us(graphs: Mapping[Any, Sequence[torch.cuda.CUDAGraph]], *,
+                          rounds: int = 6, replays: int = 50) -> dict[Any, list[list[float]]]:
+    """A/B timing: ``rounds`` rounds in which every form's graphs take turns, each timed
+    by :func:`replay_us` (``replays`` a time), so that a drift of the clocks or of the
+    memory touches all forms alike. Per form, per graph, the rounds' times sorted."""
+    times: dict[Any, list[list[float]]] = {k: [[] for _ in gs] for k, gs in graphs.items()}
+    for _ in range(rounds):
+        for k, gs in graphs.items():
+            for i, g in enumerate(gs):
+                times[k][i].append(replay_us(g, replays=replays))
+    return {k: [sorted(x) for x in ts] for k, ts in times.items()}
 
 
 def copy_ceiling_gbps(device: torch.device, gib: float = 2.0, iters: int = 10, *,
