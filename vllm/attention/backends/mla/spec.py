@@ -14,6 +14,7 @@ import torch
 
 from vllm.attention.backend import AttentionLayerSpec
 from vllm.attention.errors import InvalidArgumentError, InvalidTypeError
+from vllm.attention.ops.head_matmul import head_matmul
 from vllm.attention.types import AttentionType, KVCacheDType
 
 
@@ -62,8 +63,6 @@ class MLAProjection:
         """``[T, N, P]`` -> ``[T, N, L]`` (``q_nope[n] @ W_UK[n]``), in ``q_nope.dtype``
         (:func:`~vllm.attention.ops.head_matmul.head_matmul`: Triton at decode batch
         sizes on sm_90+, else ``torch.bmm``)."""
-        from vllm.attention.ops.head_matmul import head_matmul
-
         return head_matmul(q_nope, self.w_uk.to(device=q_nope.device, dtype=q_nope.dtype))
 
     def project_output(self, o_lat: torch.Tensor,
@@ -71,8 +70,6 @@ class MLAProjection:
         """``[T, N, L]`` -> ``[T, N, V]`` (``o_lat[n] @ W_UV[n]``), in ``o_lat.dtype``;
         into ``out`` (``[T, N, V]``, that dtype, unit stride on the last axis: the
         rows of a layer's output) when given."""
-        from vllm.attention.ops.head_matmul import head_matmul
-
         return head_matmul(o_lat, self.w_uv.to(device=o_lat.device, dtype=o_lat.dtype), out)
 
 
