@@ -31,7 +31,8 @@ from vllm.attention.writers.kernels.device import next_pow2, nvidia_capability
 HeadMatmulPath = Literal["triton", "bmm"]
 
 TRITON_MAX_TOKENS = 64
-"""Rows (decode tokens) up to which :func:`head_matmul_path` picks the Triton kernel."""
+"""Rows (decode tokens) up to which :func:`head_matmul_path` picks the Triton kernel (at
+80-128 rows and 128 heads cuBLAS was faster on an H200, docs/mla.md)."""
 
 TRITON_MIN_HEADS = 128
 """Heads from which :func:`head_matmul_path` picks the Triton kernel (at 64 heads the
