@@ -124,13 +124,19 @@ def test_fp8_float16_dots_take_any_query_magnitude(magnitude: float) -> None:
     assert _err(out, ref) < TOL
 
 
-def test_hardware_e4m3_nan_reaches_the_output() -> None:
+# a column in each part a widening warpgroup converts apart (the latent's four chunks of
+# 128, the rope)
+@pytest.mark.parametrize("col", [7, 200, 300, 450, 540])
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_hardware_fp8_nan_reaches_the_output(heads: int, cache_dtype: str, col: int) -> None:
     from vllm.attention.ops.triton_mla_decode import mla_decode_mma
 
-    x = _inputs(16, "fp8", seed=2)
+    x = _inputs(heads, cache_dtype, seed=2)
     r, p = x["tokens"][0]
     page_of = x["bt"][r, p // PAGE].long()
-    x["cache"].view(torch.uint8)[page_of, p % PAGE, 7] = 0x7F  # E4M3 NaN in token 0's keys
+    # 0x7F: NaN in E4M3 and in E5M2, in one of token 0's keys
+    x["cache"].view(torch.uint8)[page_of, p % PAGE, col] = 0x7F
     out = mla_decode_mma(x["q"], x["cache"], x["bt"], x["req"], x["pos"], x["fmt"], scale=0.1,
                          max_seq_len=max(SEQ_LENS))
     assert torch.isnan(out[0]).all() and torch.isfinite(out[1:]).all()
