@@ -12,8 +12,8 @@ Each is timed two ways, as device time per call of its kernels (``torch.profiler
   memory as they do in a layer, after the decode has streamed the cache through L2;
 * warm: back-to-back calls (weights in L2), for reference.
 
-The read rate (the larger of a 2 GiB copy and a sum, as ``bench_mla_decode.py``
-measures it) is measured in the same run; each cold row reports the bytes the
+The read rate (an eager copy of a 2 GiB tensor, ``_timing.copy_ceiling_gbps``) is
+measured in the same run; each cold row reports the bytes the
 product must move (weight, operand, result) over its time, as a fraction of that
 rate. Every result is checked against float64 (relative max error, both paths; exit 1
 above ``MAX_ERR``).

@@ -106,11 +106,8 @@ def head_matmul_path(a: torch.Tensor, w: torch.Tensor) -> HeadMatmulPath:
     least :data:`TRITON_MIN_HEADS` heads), else ``torch.bmm``."""
     if unsupported_reasons(a, w):
         return "bmm"
-    return "triton" if _triton_measured_faster(a) else "bmm"
-
-
-def _triton_measured_faster(a: torch.Tensor) -> bool:
-    return a.shape[0] <= TRITON_MAX_TOKENS and a.shape[1] >= TRITON_MIN_HEADS
+    faster = a.shape[0] <= TRITON_MAX_TOKENS and a.shape[1] >= TRITON_MIN_HEADS
+    return "triton" if faster else "bmm"
 
 
 def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -131,11 +128,11 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     if path not in (None, "triton", "bmm"):
         raise InvalidArgumentError("path", path, "'triton', 'bmm' or None")
     interp = interpreting() and a.device.type == "cpu"
-    if path != "bmm":  # the kernel's conditions, asked once a call
-        reasons = [] if path == "triton" and interp else unsupported_reasons(a, w)
-        if path is None:
-            path = "bmm" if reasons or not _triton_measured_faster(a) else "triton"
-        elif reasons:
+    if path is None:
+        path = head_matmul_path(a, w)
+    elif path == "triton" and not interp:
+        reasons = unsupported_reasons(a, w)
+        if reasons:
             raise InvalidArgumentError("path", path, "a path that runs here: "
                                        + "; ".join(reasons))
     if path == "bmm":
