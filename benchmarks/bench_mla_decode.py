@@ -17,9 +17,13 @@ fp8 (E4M3, scale 0.37) caches. Measured in the same run:
   ``gluon``, with the Triton kernel it replaced timed beside it; the Triton kernel
   elsewhere) and the per-row kernel (``mla_decode_per_row``), and the layer's pieces
   one by one ("layer: write", "absorb", "decode" on the layer's strided inputs,
-  "project"); with an E4M3 cache also the layer and the decode on the opt-in fp8-MMA
-  kernel ("layer fp8-mma", path ``gluon-fp8-mma``: the query and the probabilities
-  rounded to E4M3, checked against ``FP8_MMA_TOLERANCE``).
+  "project"); with an E4M3 cache also the decode on the fp8-MMA kernel (path
+  ``gluon-fp8-mma``: the query and the probabilities rounded to E4M3, checked against
+  ``FP8_MMA_TOLERANCE``), and each layer with the numerics it does not default to:
+  "layer fp8-mma" beside an exact default (TRITON_MLA; FLASHMLA up to 32 heads),
+  "layer exact" beside FLASHMLA's fp8-MMA default past 32 heads
+  (``MLACommonImpl.uses_fp8_mma``). A layer row's path names its decode kernel after
+  the impl's path (``triton:gluon-lead``).
 
 The roofline of a step is ``max(flops / matmul rate, bytes / read rate)`` with
 ``flops = 2 B N S (L + R) + 2 B N S L`` (scores and values) and ``bytes = B S (L + R)``
@@ -186,19 +190,23 @@ class Step:
                                          max_seq_len=m.max_decode_seq_len,
                                          out_dtype=torch.bfloat16)
 
-    def kernel_path(self) -> str:
-        """``gluon-few-heads``, ``gluon-lead`` or ``gluon`` where the default decode runs
-        a Gluon kernel (the few-heads one, the lead-warpgroup one or the one with split
-        scores), else ``triton``."""
+    def kernel_path(self, fp8_mma: bool = False) -> str:
+        """``gluon-fp8-mma`` where ``fp8_mma`` asks for the fp8-MMA kernel and it takes
+        the decode; ``gluon-few-heads``, ``gluon-lead`` or ``gluon`` where the default
+        decode runs a Gluon kernel (the few-heads one, the lead-warpgroup one or the one
+        with split scores); else ``triton``."""
         from vllm.attention.ops.triton_mla_decode import (
             default_config,
             takes_few_heads,
+            takes_fp8_mma,
             takes_gluon,
             takes_lead,
         )
 
         gpu = gpu_of(self.q.device)
-        cfg = default_config(self.q.dtype, gpu)
+        cfg = dataclasses.replace(default_config(self.q.dtype, gpu), fp8_mma=fp8_mma)
+        if takes_fp8_mma(cfg, self.q.dtype, self.cache, L, R, gpu, scale=self.spec.scale):
+            return "gluon-fp8-mma"
         # (an fp8_ds_mla cache, bytes: takes_gluon says no, as the launcher routes it)
         if takes_few_heads(cfg, self.q.dtype, self.cache, L, R, gpu, scale=self.spec.scale,
                            num_heads=self.spec.num_heads):
@@ -305,26 +313,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for cache_dtype in args.cache_dtypes:
             for name in args.backends:
                 step = Step(name, heads, cache_dtype, args.batch, args.context, device)
+                impl: Any = step.layer.impl
                 with step.active():
                     step.layer_call()
-                    path = step.layer.impl.last_path  # type: ignore[attr-defined]
+                    path = impl.last_path
                     layer_us = _time(step.layer_call, device, args.replays)
                 base = {"heads": heads, "cache": cache_dtype, **step.work()}
+                # the layer's decode kernel where it is a Gluon one (FLASHMLA's default
+                # with an E4M3 cache past 32 heads is the fp8-MMA kernel:
+                # MLACommonImpl.uses_fp8_mma)
+                uses8 = impl.uses_fp8_mma()
+                kpath = step.kernel_path(uses8) if cuda else ""
                 # (fractions filled in at the end, against the run's fastest matmul)
-                rows.append({**base, "what": f"{name} layer", "path": path, "us": layer_us,
+                rows.append({**base, "what": f"{name} layer",
+                             "path": f"{path}:{kpath}" if kpath else path, "us": layer_us,
                              "fraction": 0.0})
                 if (step.cache.dtype == torch.float8_e4m3fn and cuda
                         and step.kernel_path() in ("gluon-lead", "gluon-few-heads")):
-                    # the layer with its decode on fp8 tensor cores (E4M3 query and
-                    # probabilities: MLACommonImpl.fp8_mma)
-                    impl: Any = step.layer.impl
-                    impl.fp8_mma = True
-                    with step.active():
-                        step.layer_call()
-                        us8 = _time(step.layer_call, device, args.replays)
-                    impl.fp8_mma = False
-                    rows.append({**base, "what": f"{name} layer fp8-mma", "path": path,
-                                 "us": us8, "fraction": 0.0})
+                    # the layer with the other numerics: its decode on fp8 tensor cores
+                    # (E4M3 query and probabilities) where the default is exact, or exact
+                    # where the default is the fp8-MMA kernel
+                    saved = impl.fp8_mma
+                    impl.fp8_mma = not uses8
+                    try:
+                        with step.active():
+                            step.layer_call()
+                            us_other = _time(step.layer_call, device, args.replays)
+                    finally:
+                        impl.fp8_mma = saved
+                    other = "exact" if uses8 else "fp8-mma"
+                    rows.append({**base, "what": f"{name} layer {other}",
+                                 "path": f"{path}:{step.kernel_path(not uses8)}",
+                                 "us": us_other, "fraction": 0.0})
                 if name != args.backends[0] or not (cuda or args.interpret):
                     continue
                 err = step.check()

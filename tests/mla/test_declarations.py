@@ -143,12 +143,14 @@ def test_vendor_capability_is_nvidia_only(hip: str | None, major: int | None,
     assert mla_vendor._cuda_major(torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize("raw, on", [(None, False), ("", False), ("0", False), ("off", False),
-                                     ("1", True), ("true", True), (" On ", True)])
-def test_fp8_mma_default_from_the_environment(raw: str | None, on: bool,
+@pytest.mark.parametrize("raw, on", [(None, None), ("", None), (" ", None), ("0", False),
+                                     ("off", False), ("1", True), ("true", True),
+                                     (" On ", True)])
+def test_fp8_mma_default_from_the_environment(raw: str | None, on: bool | None,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """``VLLM_MLA_FP8_MMA`` sets the default of ``MLACommonImpl.fp8_mma`` for the layers
-    built after it; a value it does not know is refused, naming the variable."""
+    """``VLLM_MLA_FP8_MMA`` sets ``MLACommonImpl.fp8_mma`` for the layers built after it
+    (None, unset: each backend's default); a value it does not know is refused, naming
+    the variable."""
     from tests.mla.helpers import make_spec
 
     if raw is None:
@@ -157,6 +159,38 @@ def test_fp8_mma_default_from_the_environment(raw: str | None, on: bool,
         monkeypatch.setenv("VLLM_MLA_FP8_MMA", raw)
     impl = get_backend("TRITON_MLA").get_impl_cls()(make_spec(cache_dtype="fp8"))
     assert impl.fp8_mma is on
+
+
+@pytest.mark.parametrize("raw", [None, "0", "1"])
+@pytest.mark.parametrize("heads", [16, 32, 33, 128])
+@pytest.mark.parametrize("name", ["TRITON_MLA", "FLASHMLA"])
+def test_fp8_mma_backend_defaults(name: str, heads: int, raw: str | None,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, FLASHMLA asks for the fp8-MMA kernel past 32 heads (upstream's FLASHMLA
+    decodes an fp8 cache with an fp8 query) and TRITON_MLA never (upstream's widens the
+    cache, exact dots); the variable or the attribute overrides both at any head count.
+    Only where it asks, and only with an E4M3 cache, is the decode held to the fp8-MMA
+    tolerance."""
+    from tests.mla.helpers import make_spec
+    from vllm.attention.ops.triton_mla_decode import FP8_MMA_TOLERANCE
+
+    if raw is None:
+        monkeypatch.delenv("VLLM_MLA_FP8_MMA", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_MLA_FP8_MMA", raw)
+    default = name == "FLASHMLA" and heads > 32
+    want = default if raw is None else raw == "1"
+    cls = get_backend(name).get_impl_cls()
+    for cache_dtype in ("auto", "fp8", "fp8_e4m3"):
+        impl = cls(make_spec(n=heads, cache_dtype=cache_dtype))
+        assert impl.uses_fp8_mma() is want
+        fp8 = cache_dtype != "auto"
+        assert impl.compute_tolerance(2e-2) == (FP8_MMA_TOLERANCE if want and fp8 else 2e-2)
+        assert impl.compute_tolerance(0.5) == 0.5
+        impl.fp8_mma = not want  # the attribute wins over the variable and the default
+        assert impl.uses_fp8_mma() is (not want)
+        impl.fp8_mma = None
+        assert impl.uses_fp8_mma() is default
 
 
 def test_fp8_mma_environment_refuses_what_it_does_not_know(

@@ -142,16 +142,19 @@ def test_hardware_fp8_nan_reaches_the_output(heads: int, cache_dtype: str, col: 
     assert torch.isnan(out[0]).all() and torch.isfinite(out[1:]).all()
 
 
-@pytest.mark.parametrize("cache_dtype, fp8_mma", [("auto", False), ("fp8", False), ("fp8", True)],
-                         ids=["auto", "fp8", "fp8-mma"])
+@pytest.mark.parametrize("cache_dtype, fp8_mma", [("auto", False), ("fp8", False), ("fp8", True),
+                                                  ("fp8", None)],
+                         ids=["auto", "fp8", "fp8-mma", "fp8-default"])
 @pytest.mark.parametrize("n", [128, 16], ids=lambda n: f"{n}heads")
 @pytest.mark.parametrize("name", ["TRITON_MLA", "FLASHMLA"])
 def test_layer_decode_in_a_cuda_graph(name: str, n: int, cache_dtype: str,
-                                      fp8_mma: bool) -> None:
+                                      fp8_mma: bool | None,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Write then compute through MLAAttention, eager and replayed from a CUDA graph;
     the decode runs the tensor-core kernel (at 16 heads the few-heads one; ``fp8_mma``:
-    the fp8-MMA one), rows past the step's tokens are left alone, and the result is
-    within tolerance of the float32 torch path."""
+    the fp8-MMA one; None: the backend's choice, the fp8-MMA kernel for FLASHMLA at 128
+    heads, bit for bit what asking for it gives), rows past the step's tokens are left
+    alone, and the result is within tolerance of the float32 torch path."""
     from vllm.attention import allocate_kv_cache
     from vllm.attention.batch import make_paged_batch
     from vllm.attention.layer import MLAAttention
@@ -174,8 +177,15 @@ def test_layer_decode_in_a_cuda_graph(name: str, n: int, cache_dtype: str,
                               num_kv_heads=1, head_size=L + R, cache_dtype=cache_dtype,
                               model_dtype=torch.bfloat16, device="cuda")
     layer.bind_kv_cache(cache, PAGE)
-    layer.impl.fp8_mma = fp8_mma  # type: ignore[attr-defined]
-    if fp8_mma:
+    if fp8_mma is None:
+        monkeypatch.delenv("VLLM_MLA_FP8_MMA", raising=False)
+        layer.impl.fp8_mma = None  # type: ignore[attr-defined]
+        uses8 = layer.impl.uses_fp8_mma()  # type: ignore[attr-defined]
+        assert uses8 is (name == "FLASHMLA" and n == 128)
+    else:
+        layer.impl.fp8_mma = fp8_mma  # type: ignore[attr-defined]
+        uses8 = fp8_mma
+    if uses8:
         from vllm.attention.ops import triton_mla_decode as tmd
 
         gpu = tmd.gpu_of(cache.device)
@@ -222,7 +232,14 @@ def test_layer_decode_in_a_cuda_graph(name: str, n: int, cache_dtype: str,
     assert torch.equal(scattered, eager)
     assert torch.all(eager[t:] == 7.0) and torch.all(replayed[t:] == 7.0)
     assert _err(replayed[:t].float(), eager[:t].double()) < 1e-3
-    if fp8_mma:
+    if fp8_mma is None and uses8:  # the backend's choice is the kernel asked for by name
+        layer.impl.fp8_mma = True  # type: ignore[attr-defined]
+        with set_forward_context(attn_metadata={"mla": meta},
+                                 slot_mapping={"mla": batch.new_slots}):
+            out.fill_(7.0)
+            layer(q, kv_c, k_pe, out)
+        assert torch.equal(out, eager)
+    if uses8:
         from vllm.attention.ops.triton_mla_decode import FP8_MMA_TOLERANCE
 
         assert _err(eager[:t].float(), ref[:t].double()) < FP8_MMA_TOLERANCE

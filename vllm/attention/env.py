@@ -24,3 +24,13 @@ def env_flag(name: str, *, strict: bool = False) -> bool:
         raise InvalidArgumentError(name, raw, "1, true, yes or on; or unset, 0, false, no "
                                               "or off")
     return False
+
+
+def env_switch(name: str) -> bool | None:
+    """Environment variable ``name`` as a three-way switch: None when unset or empty (the
+    caller's default), True for :data:`ON_WORDS`, False for the other
+    :data:`OFF_WORDS`; any other value is refused with an error naming the variable."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return None
+    return env_flag(name, strict=True)

@@ -34,7 +34,7 @@ from vllm.attention.backend import (
 )
 from vllm.attention.backends.mla.spec import MLALayerSpec as MLALayerSpec
 from vllm.attention.backends.mla.spec import MLAProjection as MLAProjection
-from vllm.attention.env import env_flag
+from vllm.attention.env import env_switch
 from vllm.attention.errors import InvalidArgumentError, InvalidTypeError
 from vllm.attention.layouts import (
     FP8_DS_MLA_ENTRY_BYTES,
@@ -251,11 +251,12 @@ def portable_path(device: torch.device) -> ComputePath:
     return "torch"
 
 
-def fp8_mma_from_env() -> bool:
-    """``VLLM_MLA_FP8_MMA``: the default of :attr:`MLACommonImpl.fp8_mma` for the layers
-    built after it is read (``1``/``true``/``yes``/``on``; unset or ``0``/``false``/
-    ``no``/``off``: off). Any other value is refused, not read as off."""
-    return env_flag("VLLM_MLA_FP8_MMA", strict=True)
+def fp8_mma_from_env() -> bool | None:
+    """``VLLM_MLA_FP8_MMA``: the value of :attr:`MLACommonImpl.fp8_mma` for the layers
+    built after it is read: on for ``1``/``true``/``yes``/``on``, off for ``0``/``false``/
+    ``no``/``off``, None (each backend's default) when unset or empty. Any other value
+    is refused, not read as off."""
+    return env_switch("VLLM_MLA_FP8_MMA")
 
 
 class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
@@ -269,6 +270,13 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
 
     vendor: ClassVar[MLAVendorKernel | None] = None
     is_sparse: ClassVar[bool] = False
+    fp8_mma_default: ClassVar[bool] = False
+    """Whether this backend's portable decode, with an E4M3 cache and :attr:`fp8_mma`
+    left at None, runs on fp8 tensor cores (the query and the probabilities rounded to
+    E4M3) where that is the faster kernel: past ``FEW_HEADS_MAX`` heads, where the exact
+    kernel is the lead-warpgroup one. FLASHMLA sets it (upstream's FLASHMLA decodes an
+    fp8 cache with an fp8 query); the others keep exact dots, as upstream's TRITON_MLA
+    does (``docs/mla.md``)."""
 
     def __init__(self, spec: AttentionLayerSpec) -> None:
         if not isinstance(spec, MLALayerSpec):
@@ -279,15 +287,39 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
         self.mla: MLALayerSpec = spec
         self.force_path: ComputePath | None = None
         """Tests and benchmarks pin a path (``torch``, ``triton`` or the vendor's)."""
-        self.fp8_mma = fp8_mma_from_env()
-        """With an E4M3 cache, the portable decode on sm_90 runs on fp8 tensor cores, the
-        query and the probabilities rounded to E4M3 (FlashMLA's fp8 numerics: less exact,
-        ``triton_mla_decode.FP8_MMA_TOLERANCE``; ``docs/mla.md``). Off unless
-        ``VLLM_MLA_FP8_MMA`` is set (:func:`fp8_mma_from_env`)."""
+        self.fp8_mma: bool | None = fp8_mma_from_env()
+        """With an E4M3 cache, whether the portable decode on sm_90 runs on fp8 tensor
+        cores, the query and the probabilities rounded to E4M3 (FlashMLA's fp8 numerics:
+        less exact, ``triton_mla_decode.FP8_MMA_TOLERANCE``; ``docs/mla.md``). True or
+        False at any head count; None (unless ``VLLM_MLA_FP8_MMA`` is set,
+        :func:`fp8_mma_from_env`): the backend's choice, :attr:`fp8_mma_default`.
+        :meth:`uses_fp8_mma` says what it comes to."""
         self.last_path: ComputePath | None = None
         self._paths: dict[tuple[torch.device, int, bool], ComputePath] = {}
 
     # -- path choice --------------------------------------------------------------------
+    def uses_fp8_mma(self) -> bool:
+        """Whether the portable decode asks for the fp8-MMA kernel: :attr:`fp8_mma`, or
+        where it is None, :attr:`fp8_mma_default` past ``FEW_HEADS_MAX`` heads (up to it
+        the exact few-heads kernel is the faster). The kernel takes the decode only on
+        sm_90 with an E4M3 cache (``triton_mla_decode.takes_fp8_mma``)."""
+        if self.fp8_mma is not None:
+            return self.fp8_mma
+        from vllm.attention.ops.triton_mla_decode import FEW_HEADS_MAX
+
+        return type(self).fp8_mma_default and self.mla.num_heads > FEW_HEADS_MAX
+
+    def compute_tolerance(self, tolerance: float) -> float:
+        """The relative error this impl's decode is held to, given its backend's
+        ``tolerance`` for the model dtype: with an E4M3 cache and :meth:`uses_fp8_mma`,
+        at least ``triton_mla_decode.FP8_MMA_TOLERANCE`` (the query and the
+        probabilities rounded to E4M3), else ``tolerance``."""
+        if self.mla.kv_cache_dtype in ("fp8", "fp8_e4m3") and self.uses_fp8_mma():
+            from vllm.attention.ops.triton_mla_decode import FP8_MMA_TOLERANCE
+
+            return max(tolerance, FP8_MMA_TOLERANCE)
+        return tolerance
+
     def decode_path(self, device: torch.device, meta: MLAMetadata) -> ComputePath:
         """The vendor kernel when it can take this step, else the portable path."""
         if self.force_path is not None:
@@ -384,7 +416,7 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
                 self.mla.projection.absorb_query(q[..., :p]), kv_cache, meta.block_table,
                 meta.decode_token_req, meta.decode_token_pos, fmt, scale=scale,
                 max_seq_len=meta.max_decode_seq_len, out_dtype=q.dtype, q_pe=q[..., p:],
-                fp8_mma=self.fp8_mma,
+                fp8_mma=self.uses_fp8_mma(),
             )
         v = self.vendor
         if v is None or path != v.name:
@@ -518,4 +550,8 @@ class MLABackend(AttentionBackend[MM]):
             notes.append("triton: not importable, decode runs on torch")
         elif device.type != "cuda":
             notes.append(f"triton: device={device.type}, the Triton MLA kernels need cuda")
+        if cls.get_impl_cls().fp8_mma_default:
+            notes.append("an E4M3 cache past 32 heads: fp8 tensor cores on sm_90, the query "
+                         "and the probabilities rounded to E4M3 as upstream's FLASHMLA "
+                         "does (VLLM_MLA_FP8_MMA=0: exact dots; docs/mla.md)")
         return notes

@@ -21,6 +21,12 @@ from vllm.attention.types import KVCacheDType
 
 class FlashMLAImpl(MLACommonImpl[MLAMetadata]):
     vendor: ClassVar[MLAVendorKernel | None] = FlashMLAKernel()
+    fp8_mma_default: ClassVar[bool] = True
+    """As upstream: its FLASHMLA decodes an fp8 cache with FlashMLA's fp8 kernel, the
+    query quantised to fp8 (``flash_mla_with_kvcache_fp8(..., descale_q=...)``,
+    ``vllm/v1/attention/backends/mla/flashmla.py`` at 01b1d340), so the portable path
+    here runs the fp8-MMA kernel past 32 heads; ``fp8_mma = False`` or
+    ``VLLM_MLA_FP8_MMA=0`` keeps exact dots (``docs/mla.md``)."""
 
 
 class FlashMLABackend(MLABackend[MLAMetadata]):
