@@ -271,9 +271,7 @@ def record_mla(target: Target) -> list[Call]:
             triton_mla.mla_sparse_triton(q, cache, topk, req, pos, bt, fmt, scale=0.1)
     # the per-head products around the decode: absorption (K=128) and projection (K=512)
     hrec = Recorder("head_matmul", hm_kern.head_matmul_kernel, calls)
-    with as_gpu(target.gpu), \
-            patched(head_matmul, _kernel=lambda interp: hrec, unsupported_reasons=lambda a, w: [],
-                    interpreting=lambda: False):
+    with patched(head_matmul, _kernel=lambda interp: hrec, unsupported_reasons=lambda a, w: []):
         for dtype in (torch.bfloat16, torch.float16):
             for t, k, c in ((64, 128, 512), (256, 512, 128), (5, 128, 512)):
                 head_matmul.head_matmul(torch.zeros(t, 128, k, dtype=dtype),

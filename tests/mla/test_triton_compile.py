@@ -175,17 +175,13 @@ for cap in (80, 90, 100):
                     bad.append("lowered to a bare trap")
                 if c.metadata.shared > SMEM[cap]:
                     bad.append(f"shared {c.metadata.shared} > {SMEM[cap]}")
-                # programmatic dependent launch: the few-heads kernel up to 32 heads, the
-                # lead and fp8-MMA kernels, and the combine after any of them, each waiting
-                # for the grid before it ahead of its first read
-                names = {f.__name__ for f, _, _ in calls}
-                few = heads <= 32 and "mla_decode_few_heads_kernel" in names
-                lead = bool(names & {"mla_decode_lead_kernel", "mla_decode_fp8_mma_kernel"})
-                pdl = ((few and fn.__name__ in ("mla_decode_few_heads_kernel",
-                                                "mla_decode_combine_kernel"))
-                       or (lead and fn.__name__ in ("mla_decode_lead_kernel",
-                                                    "mla_decode_fp8_mma_kernel",
-                                                    "mla_decode_combine_kernel")))
+                # programmatic dependent launch: the few-heads kernel up to 32 heads and
+                # the combine after it, each waiting for the grid before it ahead of its
+                # first read
+                few = heads <= 32 and any(f.__name__ == "mla_decode_few_heads_kernel"
+                                          for f, _, _ in calls)
+                pdl = few and fn.__name__ in ("mla_decode_few_heads_kernel",
+                                              "mla_decode_combine_kernel")
                 waits = ptx.find("griddepcontrol.wait")
                 reads = [i for i in (ptx.find("ld.global"), ptx.find("cp.async.bulk"))
                          if i >= 0]
@@ -207,35 +203,6 @@ for cap in (80, 90, 100):
                         bad.append("ptxas serialised the warpgroup MMAs")
                 failures += bool(bad)
                 print(("FAIL " if bad else "compiled ") + name, *bad, flush=True)
-# the per-head products around the decode: a programmatic dependent launch on sm_90+
-# (the absorption before the decode, the projection after it), waiting for the grid
-# before ahead of its first read; a plain launch on sm_80
-from vllm.attention.ops import head_matmul as hm
-from vllm.attention.ops import triton_head_matmul_kernels as hm_kern
-hm._kernel = lambda interp: Rec(hm_kern.head_matmul_kernel)
-hm.unsupported_reasons = lambda a, w: []
-hm.interpreting = lambda: False
-for cap in (80, 90, 100):
-    hm.nvidia_capability = lambda dev, cap=cap: (cap // 10, cap % 10)
-    for k, c in ((128, 512), (512, 128)):
-        calls.clear()
-        hm.head_matmul(torch.zeros(64, 128, k, dtype=torch.bfloat16),
-                       torch.zeros(128, k, c, dtype=torch.bfloat16), path="triton")
-        for fn, a, kw in calls:
-            comp = compile_like_jit(fn, a, dict(kw), GPUTarget("cuda", cap, 32))
-            ptx = comp.asm["ptx"]
-            pdl = cap >= 90
-            waits = ptx.find("griddepcontrol.wait")
-            reads = [i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0]
-            bad = []
-            if bool(comp.metadata.launch_pdl) != pdl or (waits >= 0) != pdl:
-                bad.append(f"launch_pdl={comp.metadata.launch_pdl}, griddepcontrol.wait "
-                           f"{'in' if waits >= 0 else 'not in'} the PTX (expected {pdl})")
-            elif pdl and reads and min(reads) < waits:
-                bad.append("a global read before griddepcontrol.wait")
-            failures += bool(bad)
-            print(("FAIL " if bad else "compiled ") + f"sm{cap} K={k} C={c} {fn.__name__}",
-                  *bad, flush=True)
 sys.exit(1 if failures else 0)
 '''
 
@@ -246,4 +213,4 @@ def test_decode_kernel_compiles_for_sm80_sm90_sm100() -> None:
     done = subprocess.run([sys.executable, "-c", DECODE_CHILD], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    assert done.stdout.count("compiled ") == 45, done.stdout
+    assert done.stdout.count("compiled ") == 39, done.stdout

@@ -44,7 +44,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # the Triton kernel's helpers on scalars and row tiles (a Gluon kernel calls them as
 # they are: their operations keep their operands' layouts)
@@ -57,17 +56,6 @@ constexpr_function: Callable[[Callable[..., Any]], Any] = gluon.constexpr_functi
 constants) with a type, as :data:`jit`."""
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
-
-
-@jit
-def after_the_grid_before() -> None:
-    """Programmatic dependent launch (the launcher sets ``launch_pdl``): wait until the
-    grids this one depends on have completed and their writes are visible (no read of
-    what they wrote comes before it), then let the next grid (which waits likewise)
-    launch while this one runs. Both instructions do nothing in a grid launched without
-    it (Triton's own ``griddepcontrol`` wrappers)."""
-    gdc_wait()
-    gdc_launch_dependents()
 
 
 @jit

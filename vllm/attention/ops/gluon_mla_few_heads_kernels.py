@@ -80,11 +80,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from vllm.attention.ops.gluon_mla_decode_kernels import (
     LOG2E,
     _program_keys,
-    after_the_grid_before,
     constexpr_function,
     jit,
     widen_fp8,
@@ -194,6 +194,18 @@ def value_order(HALF: Any, N: Any, back: Any) -> tuple[list[int], list[int]]:
     stored, operand = _value_bits(HALF)
     src, dst = (operand, stored) if back else (stored, operand)
     return [2] * len(stored) + [N], [*dims_order(src, dst), len(stored)]
+
+
+@jit
+def _after_the_grid_before() -> None:
+    """Programmatic dependent launch (the launcher sets ``launch_pdl``): wait until the
+    grids this one depends on have completed and their writes are visible (no read of
+    this kernel comes before; the partitions start after it), then let the next grid,
+    the splits' combine (which waits likewise), launch while this one runs. Both
+    instructions do nothing in a grid launched without it (Triton's own
+    ``griddepcontrol`` wrappers)."""
+    gdc_wait()
+    gdc_launch_dependents()
 
 
 @jit
@@ -932,7 +944,7 @@ def mla_decode_few_heads_kernel(
     F32_ROW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
     if BLOCK_H <= 32:  # (launched as a programmatic dependent launch up to 32 heads)
-        after_the_grid_before()
+        _after_the_grid_before()
     hb, sp, t, req, start, end, n_tiles, n_last = _program_keys(TOK_REQ, TOK_POS,
                                                                 num_splits, BLOCK_N)
 

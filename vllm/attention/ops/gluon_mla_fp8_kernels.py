@@ -47,11 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from vllm.attention.ops.gluon_mla_decode_kernels import (
-    _program_keys,
-    after_the_grid_before,
-    jit,
-)
+from vllm.attention.ops.gluon_mla_decode_kernels import _program_keys, jit
 from vllm.attention.ops.gluon_mla_lead_kernels import (
     _follow_values,
     _query_buffers,
@@ -312,9 +308,6 @@ def mla_decode_fp8_mma_kernel(
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     F32_ROW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-    # (launched as a programmatic dependent launch: before any read, since any argument
-    # may be the grid before's output)
-    after_the_grid_before()
     hb, sp, t, req, start, end, n_tiles, n_last = _program_keys(TOK_REQ, TOK_POS,
                                                                 num_splits, BLOCK_N)
 

@@ -54,7 +54,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from vllm.attention.ops.gluon_mla_decode_kernels import (
     LOG2E,
     _program_keys,
-    after_the_grid_before,
     constexpr_function,
     jit,
 )
@@ -622,9 +621,6 @@ def mla_decode_lead_kernel(
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     F32_ROW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-    # (launched as a programmatic dependent launch: before any read, since any argument
-    # may be the grid before's output)
-    after_the_grid_before()
     hb, sp, t, req, start, end, n_tiles, n_last = _program_keys(TOK_REQ, TOK_POS,
                                                                 num_splits, BLOCK_N)
 

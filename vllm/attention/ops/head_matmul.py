@@ -40,13 +40,6 @@ projection was slower than cuBLAS with every tile tried, the absorption no faste
 
 _HALF = (torch.float16, torch.bfloat16)
 
-PDL = True
-"""Launch the Triton kernel as a programmatic dependent launch (it waits for the grid
-before to complete before its first read, then lets the next launch): in an MLA layer the
-absorption, the decode and the projection then overlap one's end with the next one's
-start (``docs/mla.md``). A module flag so that a benchmark can compare both launches in
-one process."""
-
 
 @dataclasses.dataclass(frozen=True)
 class HeadMatmulConfig:
@@ -164,15 +157,8 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         K=k, C=c, BLOCK_T=cfg.block_t, BLOCK_C=cfg.block_c, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, EVEN_C=c % cfg.block_c == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"PDL": True, "launch_pdl": True} if _pdl(a.device, interp) else {}),
     )
     return out
-
-
-def _pdl(device: torch.device, interp: bool) -> bool:
-    """Whether the launch is a programmatic dependent one: :data:`PDL`, on NVIDIA sm_90+
-    (``griddepcontrol`` is PTX of sm_90), not under the interpreter."""
-    return PDL and not interp and (nvidia_capability(device) or (0, 0)) >= (9, 0)
 
 
 def _kernel(interpret: bool) -> Any:

@@ -15,7 +15,6 @@ from typing import Any
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 jit: Callable[[Callable[..., Any]], Any] = triton.jit
 """``triton.jit`` with a type, so mypy accepts the decorated kernel (as ``Any``)."""
@@ -30,13 +29,8 @@ def head_matmul_kernel(
     s_ct: tl.tensor, s_cn: tl.tensor, s_cc: tl.tensor,
     K: tl.constexpr, C: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_C: tl.constexpr, PDL: tl.constexpr = False,
+    EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
 ) -> None:
-    """``PDL`` (NVIDIA sm_90+, launched with ``launch_pdl``): wait for the grid before to
-    complete before the first read, then let the next grid launch."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
     n = tl.program_id(0).to(tl.int64)
     pc = tl.program_id(1)
     pt = tl.program_id(2)

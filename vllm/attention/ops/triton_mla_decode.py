@@ -273,11 +273,6 @@ _LEAD_MAXNREG = 168
 its 9 warps (16-bit caches; 12 with fp8) launch as 12 (whole warpgroups), and an SM has
 64 K registers."""
 _FEW_64_MAXNREG = 128
-LEAD_PDL = True
-"""The lead-warpgroup and fp8-MMA kernels (and the splits' combine after them) as
-programmatic dependent launches: each waits for the grid before to complete before its
-first read, then lets the next launch (``docs/mla.md``). A module flag so that a
-benchmark can compare both launches in one process."""
 """The same for the few-heads kernel at 64 heads a program: its 13 warps (scores, two
 values' warpgroups, the loader) launch as 16."""
 
@@ -575,9 +570,6 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     # memory), and one launched early would hold an SM from the grid before it
     # (docs/mla.md); the kernel compiles its griddepcontrol calls to match
     pdl = use_few and n <= FEW_HEADS_MAX
-    # the lead and fp8-MMA kernels likewise (one program an SM, but the grid before,
-    # the absorption, has every program running by the time these launch)
-    lead_pdl = use_lead and not use_few and LEAD_PDL
     if use_gluon:  # its own tiles
         block_h = few_heads_block(n) if use_few else GLUON_TILE
         cfg = dataclasses.replace(cfg, block_h=block_h, block_n=GLUON_TILE, num_warps=8,
@@ -629,8 +621,6 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                           if use_lead else (_gluon_kernel(), {"num_warps": 8}))
         if use_fp8_mma:  # its copies are of E4M3 bytes
             kernel = _fp8_mma_kernel()
-        if lead_pdl:
-            launch = {**launch, "launch_pdl": True}
         if use_few:
             kernel = _few_heads_kernel()
             launch = ({**launch, "launch_pdl": True} if pdl
@@ -654,13 +644,13 @@ def mla_decode_mma(q_lat: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                        lc=lc, block_r=block_r, v_split=v_split, scale=scale,
                        max_seq_len=max_seq_len)
     if not single:
-        # after the few-heads kernel up to 32 heads and after the lead and fp8-MMA
-        # kernels, a programmatic dependent launch: that kernel lets it launch while it
-        # runs, and it waits for that grid's end before reading
+        # after the few-heads kernel up to 32 heads, a programmatic dependent launch:
+        # that kernel lets it launch while it runs, and it waits for that grid's end
+        # before reading
         combine_kernel[(n, t)](
             o_part, lse_part, out, *part_strides, out.stride(0), out.stride(1), splits,
             KV_LORA=L, BLOCK_S=next_pow2(splits), BLOCK_L=block_l, num_warps=4,
-            **({"PDL": True, "launch_pdl": True} if pdl or lead_pdl else {}),
+            **({"PDL": True, "launch_pdl": True} if pdl else {}),
         )
     return out
 
