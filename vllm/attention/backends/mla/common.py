@@ -309,6 +309,20 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
 
         return type(self).fp8_mma_default and self.mla.num_heads > FEW_HEADS_MAX
 
+    def prefill_path(self, device: torch.device, dtype: torch.dtype) -> str:
+        """``flash-prefill`` (:mod:`~vllm.attention.ops.mla_prefill_flash`: torch's flash
+        kernel in the model dtype) where it runs, unless :attr:`force_path` is
+        ``torch``; else ``torch-prefill`` (float32 torch)."""
+        if self.force_path == "torch":
+            return "torch-prefill"
+        from vllm.attention.ops.mla_prefill_flash import mla_prefill_flash_rejects
+
+        spec = self.mla
+        if mla_prefill_flash_rejects(device, dtype, qk_head_dim=spec.qk_head_dim,
+                                     v_head_dim=spec.v_head_dim):
+            return "torch-prefill"
+        return "flash-prefill"
+
     def compute_tolerance(self, tolerance: float) -> float:
         """The relative error this impl's decode is held to, given its backend's
         ``tolerance`` for the model dtype: with an E4M3 cache and :meth:`uses_fp8_mma`,
@@ -384,11 +398,17 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
             paths.append(path)
         if meta.num_prefill_tokens:
             q = query[meta.prefill_token_idx]
-            o = mla_prefill_torch(q, kv_cache, meta.block_table, meta.prefill_groups, fmt,
-                                  spec.projection.w_uk, spec.projection.w_uv, scale=spec.scale,
-                                  chunk_tokens=meta.prefill_chunk_tokens)
+            prefill = self.prefill_path(q.device, q.dtype)
+            run = mla_prefill_torch
+            if prefill == "flash-prefill":
+                from vllm.attention.ops.mla_prefill_flash import mla_prefill_flash
+
+                run = mla_prefill_flash
+            o = run(q, kv_cache, meta.block_table, meta.prefill_groups, fmt,
+                    spec.projection.w_uk, spec.projection.w_uv, scale=spec.scale,
+                    chunk_tokens=meta.prefill_chunk_tokens)
             out3[meta.prefill_token_idx] = o.to(output.dtype)
-            paths.append("torch-prefill")
+            paths.append(prefill)
         self.last_path = "+".join(paths) if paths else None
         return output
 

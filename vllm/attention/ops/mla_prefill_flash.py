@@ -1,0 +1,133 @@
+"""MLA prefill (the expanded form) on torch's FlashAttention-2 kernel, in the model dtype.
+
+Per request, the keys and values are expanded from the latent ``chunk_tokens`` at a time
+(``k = [kv_c @ W_UK^T, k_pe]``, ``v = kv_c @ W_UV``: two 16-bit matmuls with float32
+accumulation), the queries taken in blocks of ``chunk_tokens``, and each block attends
+to the keys before it (no mask) and to its own block's keys (causal: the block is
+square, so top-left and bottom-right alignment agree); the partial outputs are merged
+by their log-sum-exp in float32. Memory stays bounded by the chunk, as on the torch path
+(:func:`~vllm.attention.ops.mla_attention.mla_prefill_torch`), whose arithmetic it
+replaces on CUDA: float32 score matrices there, the flash kernel's tiles here.
+
+The kernel takes one head size for Q, K and V: Q and K are ``P + R`` wide, V is padded
+with zeros to that width (the extra output columns are dropped), as upstream vLLM pads
+V for FlashAttention-2 (``_flash_attn_varlen_diff_headdims`` in
+``vllm/model_executor/layers/attention/mla_attention.py``).
+
+:func:`mla_prefill_flash_rejects` says where it does not run: a CPU (the torch path runs
+there; the function itself also runs on CPU tensors through torch's CPU flash kernel, for
+tests), a float32 model, head sizes the kernel lacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vllm.attention.errors import InvalidArgumentError
+from vllm.attention.ops.flash_varlen import MAX_HEAD_SIZE, flash_varlen_unavailable
+from vllm.attention.ops.mla_attention import (
+    LatentFormat,
+    PrefillGroup,
+    decode_latent_rows,
+    gather_latent,
+    merge_attn_states,
+)
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def mla_prefill_flash_rejects(device: torch.device, dtype: torch.dtype, *, qk_head_dim: int,
+                              v_head_dim: int) -> list[str]:
+    """Why :func:`mla_prefill_flash` is not the prefill path here (empty: it is)."""
+    reasons = []
+    why = flash_varlen_unavailable(device)
+    if why is not None:
+        reasons.append(why)
+    if dtype not in _HALF:
+        reasons.append(f"model dtype {dtype}: the flash kernel takes float16 or bfloat16")
+    width = max(qk_head_dim, v_head_dim)
+    if width > MAX_HEAD_SIZE or width % 8:
+        reasons.append(f"head sizes {qk_head_dim} (q, k) and {v_head_dim} (v): the flash "
+                       f"kernel takes one size, a multiple of 8 up to {MAX_HEAD_SIZE}")
+    return reasons
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, Sq, D]`` x ``[N, Sk, D]`` -> output ``[N, Sq, D]`` (float32) and its
+    log-sum-exp ``[N, Sq]`` (natural log), on torch's flash kernel (its CPU one on CPU
+    tensors)."""
+    if q.device.type == "cuda":
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q[None], k[None], v[None], 0.0, causal, False, scale=scale)
+    else:
+        res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], 0.0, causal, scale=scale)
+    out, lse = res[0], res[1]
+    return out[0].float(), lse[0, :, : q.shape[1]].float()
+
+
+def mla_prefill_flash(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                      groups: Sequence[PrefillGroup], fmt: LatentFormat, w_uk: torch.Tensor,
+                      w_uv: torch.Tensor, *, scale: float, chunk_tokens: int) -> torch.Tensor:
+    """Causal attention of the prefill rows with K/V expanded from the latent.
+
+    Args:
+        q: ``[Tp, N, P + R]`` float16 / bfloat16, grouped by request.
+        kv_cache: ``(nb, bs, entry)``, any MLA cache format (read, never written).
+        w_uk: ``[N, P, L]``; ``w_uv``: ``[N, L, V]`` (cast to ``q``'s dtype).
+        chunk_tokens: the most keys expanded, and queries attended, at a time.
+    Returns:
+        ``[Tp, N, V]`` float32.
+    """
+    if chunk_tokens <= 0:
+        raise InvalidArgumentError("chunk_tokens", chunk_tokens, "a positive int")
+    if q.dtype not in _HALF:
+        raise InvalidArgumentError("q.dtype", q.dtype, "float16 or bfloat16")
+    tp, n, qk = q.shape
+    l_rank = fmt.kv_lora_rank
+    p_dim, v_dim = w_uk.shape[1], w_uv.shape[2]
+    if qk != p_dim + fmt.rope_dim:
+        raise InvalidArgumentError("q.shape", tuple(q.shape), f"[Tp, N, {p_dim + fmt.rope_dim}]")
+    width = max(qk, v_dim)
+    dt = q.dtype
+    # [L, N*P] and [L, N*V]: one matmul expands every head of a chunk
+    wk = w_uk.to(device=q.device, dtype=dt).reshape(n * p_dim, l_rank).t()
+    wv = w_uv.to(device=q.device, dtype=dt).permute(1, 0, 2).reshape(l_rank, n * v_dim)
+
+    def expand(req: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K ``[N, S, width]`` and V ``[N, S, width]`` (zero-padded) of positions
+        ``start..stop-1``."""
+        rows = decode_latent_rows(gather_latent(kv_cache, block_table[req], start, stop),
+                                  fmt, dtype=dt)
+        s = stop - start
+        k = rows.new_zeros(n, s, width)
+        k[:, :, :p_dim] = (rows[:, :l_rank] @ wk).view(s, n, p_dim).transpose(0, 1)
+        k[:, :, p_dim:qk] = rows[:, l_rank:].unsqueeze(0)
+        v = rows.new_zeros(n, s, width)
+        v[:, :, :v_dim] = (rows[:, :l_rank] @ wv).view(s, n, v_dim).transpose(0, 1)
+        return k, v
+
+    out = torch.empty(tp, n, v_dim, dtype=torch.float32, device=q.device)
+    for g in groups:
+        tq = g.rows.stop - g.rows.start
+        if tq == 0:
+            continue
+        first = g.seq_len - tq  # the position of the group's first query
+        qg = q[g.rows].transpose(0, 1)  # [N, tq, P + R]
+        if width > qk:
+            qg = torch.nn.functional.pad(qg, (0, width - qk))
+        for qs in range(0, tq, chunk_tokens):
+            qe = min(qs + chunk_tokens, tq)
+            qb = qg[:, qs:qe].contiguous()
+            # the block's own keys, causal (a square block), then every key before it
+            k, v = expand(g.req, first + qs, first + qe)
+            acc, acc_lse = _attend(qb, k, v, causal=True, scale=scale)
+            for ks in range(0, first + qs, chunk_tokens):
+                k, v = expand(g.req, ks, min(ks + chunk_tokens, first + qs))
+                o, lse = _attend(qb, k, v, causal=False, scale=scale)
+                acc, acc_lse = merge_attn_states(acc, acc_lse, o, lse)
+            out[g.rows.start + qs: g.rows.start + qe] = acc[..., :v_dim].transpose(0, 1)
+    return out
