@@ -56,17 +56,19 @@ def mla_prefill_flash_rejects(device: torch.device, dtype: torch.dtype, *, qk_he
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, Sq, D]`` x ``[N, Sk, D]`` -> output ``[N, Sq, D]`` (float32) and its
-    log-sum-exp ``[N, Sq]`` (natural log), on torch's flash kernel (its CPU one on CPU
-    tensors)."""
+    """``[Sq, N, D]`` x ``[Sk, N, D]`` (each with a unit stride on ``D``) -> output
+    ``[Sq, N, D]`` in ``q``'s dtype and its log-sum-exp ``[Sq, N]`` (float32, natural
+    log), on torch's flash kernel (its CPU one on CPU tensors). The kernel works in this
+    token-major layout: the head-major views passed to it are not copied."""
+    args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
     if q.device.type == "cuda":
         res = torch.ops.aten._scaled_dot_product_flash_attention(
-            q[None], k[None], v[None], 0.0, causal, False, scale=scale)
+            *args, 0.0, causal, False, scale=scale)
     else:
         res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[None], k[None], v[None], 0.0, causal, scale=scale)
+            *args, 0.0, causal, scale=scale)
     out, lse = res[0], res[1]
-    return out[0].float(), lse[0, :, : q.shape[1]].float()
+    return out[0].transpose(0, 1), lse[0, :, : q.shape[0]].transpose(0, 1)
 
 
 def mla_prefill_flash(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -98,16 +100,18 @@ def mla_prefill_flash(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     wv = w_uv.to(device=q.device, dtype=dt).permute(1, 0, 2).reshape(l_rank, n * v_dim)
 
     def expand(req: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K ``[N, S, width]`` and V ``[N, S, width]`` (zero-padded) of positions
-        ``start..stop-1``."""
+        """K and V ``[S, N, width]`` (zero-padded past ``P + R`` and ``V``) of positions
+        ``start..stop-1``, token-major as the kernel reads them."""
         rows = decode_latent_rows(gather_latent(kv_cache, block_table[req], start, stop),
                                   fmt, dtype=dt)
         s = stop - start
-        k = rows.new_zeros(n, s, width)
-        k[:, :, :p_dim] = (rows[:, :l_rank] @ wk).view(s, n, p_dim).transpose(0, 1)
-        k[:, :, p_dim:qk] = rows[:, l_rank:].unsqueeze(0)
-        v = rows.new_zeros(n, s, width)
-        v[:, :, :v_dim] = (rows[:, :l_rank] @ wv).view(s, n, v_dim).transpose(0, 1)
+        k = rows.new_empty(s, n, width)
+        k[:, :, :p_dim] = (rows[:, :l_rank] @ wk).view(s, n, p_dim)
+        k[:, :, p_dim:qk] = rows[:, l_rank:].unsqueeze(1)
+        k[:, :, qk:] = 0
+        v = rows.new_empty(s, n, width)
+        v[:, :, :v_dim] = (rows[:, :l_rank] @ wv).view(s, n, v_dim)
+        v[:, :, v_dim:] = 0
         return k, v
 
     out = torch.empty(tp, n, v_dim, dtype=torch.float32, device=q.device)
@@ -116,18 +120,19 @@ def mla_prefill_flash(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         if tq == 0:
             continue
         first = g.seq_len - tq  # the position of the group's first query
-        qg = q[g.rows].transpose(0, 1)  # [N, tq, P + R]
+        qg = q[g.rows]  # [tq, N, P + R]
         if width > qk:
             qg = torch.nn.functional.pad(qg, (0, width - qk))
         for qs in range(0, tq, chunk_tokens):
             qe = min(qs + chunk_tokens, tq)
-            qb = qg[:, qs:qe].contiguous()
+            qb = qg[qs:qe]
             # the block's own keys, causal (a square block), then every key before it
             k, v = expand(g.req, first + qs, first + qe)
             acc, acc_lse = _attend(qb, k, v, causal=True, scale=scale)
             for ks in range(0, first + qs, chunk_tokens):
                 k, v = expand(g.req, ks, min(ks + chunk_tokens, first + qs))
                 o, lse = _attend(qb, k, v, causal=False, scale=scale)
+                # (float32 from here: the merge's weights are)
                 acc, acc_lse = merge_attn_states(acc, acc_lse, o, lse)
-            out[g.rows.start + qs: g.rows.start + qe] = acc[..., :v_dim].transpose(0, 1)
+            out[g.rows.start + qs: g.rows.start + qe] = acc[..., :v_dim]
     return out
