@@ -4,6 +4,8 @@ GPU, through the layer, and its refusals."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -105,13 +107,21 @@ def test_rejects_say_why() -> None:
             cpu, torch.bfloat16, qk_head_dim=264, v_head_dim=128))
 
 
-def test_the_layer_takes_it_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("query_lens, sliced", [([1, 20, 1, 9], False), ([1, 1, 20, 9], True)],
+                         ids=["interleaved", "decode-first"])
+def test_the_layer_takes_it_where_it_runs(query_lens: list[int], sliced: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Through ``MLAAttention``: where the flash path runs (here made to, on torch's CPU
     flash kernel) the prefill rows take it (``last_path``) and match the torch path;
-    ``force_path = "torch"`` keeps the torch path; on a CPU it does not run."""
+    ``force_path = "torch"`` keeps the torch path; on a CPU it does not run. Prefill rows
+    after the decode rows are read and written as one slice (``prefill_rows``), others
+    gathered and scattered; rows of the output are each written once either way."""
     spec = make_spec(n=4, L=64, R=16, P=32, V=24, dtype=torch.bfloat16)
-    s = setup("TRITON_MLA", [1, 20, 1, 9], [30, 5, 12, 0], block_size=16, spec=spec,
+    s = setup("TRITON_MLA", query_lens, [30, 5, 12, 0], block_size=16, spec=spec,
               dtype=torch.bfloat16)
+    assert (s.meta.prefill_rows is not None) is sliced
+    if sliced:
+        assert s.meta.prefill_rows == slice(2, 31)
     impl = s.layer.impl
     with set_forward_context(attn_metadata={"mla": s.meta},
                              slot_mapping={"mla": s.batch.new_slots}):
@@ -126,6 +136,11 @@ def test_the_layer_takes_it_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> No
     assert torch.equal(again, ref)
     assert not torch.equal(out, ref)  # (another rounding: the path really changed)
     assert rel_err(out, ref) < TOL[torch.bfloat16]
+    if sliced:  # the slice reads and writes what gathering and scattering would
+        gathered = dataclasses.replace(s.meta, prefill_rows=None, decode_rows=None)
+        with set_forward_context(attn_metadata={"mla": gathered},
+                                 slot_mapping={"mla": s.batch.new_slots}):
+            assert torch.equal(s.layer(s.q, s.kv_c_new, s.k_pe_new), ref)
 
 
 @pytest.mark.gpu

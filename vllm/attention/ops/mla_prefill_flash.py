@@ -2,10 +2,12 @@
 
 Per request, the keys and values are expanded from the latent ``chunk_tokens`` at a time
 (``k = [kv_c @ W_UK^T, k_pe]``, ``v = kv_c @ W_UV``: two 16-bit matmuls with float32
-accumulation), the queries taken in blocks of ``chunk_tokens``, and each block attends
-to the keys before it (no mask) and to its own block's keys (causal: the block is
-square, so top-left and bottom-right alignment agree); the partial outputs are merged
-by their log-sum-exp in float32. Memory stays bounded by the chunk, as on the torch path
+accumulation) and the queries taken in blocks of ``chunk_tokens``. Where a block's keys
+(the context and the new tokens up to its last) are at most ``chunk_tokens``, it
+attends to all of them in one call of the varlen kernel, whose causal mask is aligned to
+the bottom right (on CUDA). Otherwise it attends to the keys before it (no mask) and to
+its own block's keys (causal: the block is square, so top-left and bottom-right
+alignment agree), and the partial outputs are merged by their log-sum-exp in float32. Memory stays bounded by the chunk, as on the torch path
 (:func:`~vllm.attention.ops.mla_attention.mla_prefill_torch`), whose arithmetic it
 replaces on CUDA: float32 score matrices there, the flash kernel's tiles here.
 
@@ -26,7 +28,11 @@ from collections.abc import Sequence
 import torch
 
 from vllm.attention.errors import InvalidArgumentError
-from vllm.attention.ops.flash_varlen import MAX_HEAD_SIZE, flash_varlen_unavailable
+from vllm.attention.ops.flash_varlen import (
+    MAX_HEAD_SIZE,
+    _aten_kernel,
+    flash_varlen_unavailable,
+)
 from vllm.attention.ops.mla_attention import (
     LatentFormat,
     PrefillGroup,
@@ -69,6 +75,21 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
             *args, 0.0, causal, scale=scale)
     out, lse = res[0], res[1]
     return out[0].transpose(0, 1), lse[0, :, : q.shape[0]].transpose(0, 1)
+
+
+def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                   scale: float) -> torch.Tensor:
+    """``[Sq, N, D]`` queries, the last ``Sq`` of the ``[Sk, N, D]`` keys' positions,
+    causal (bottom-right aligned), on the CUDA varlen kernel: ``[Sq, N, D]`` in ``q``'s
+    dtype. (Its one-sequence offsets are made on the device: no host synchronisation.)"""
+    sq, sk = q.shape[0], k.shape[0]
+    dev = q.device
+    two = torch.arange(2, dtype=torch.int32, device=dev)
+    out = torch.empty_like(q)
+    _aten_kernel(q, k, v, cu_q=two * sq, cu_k=two * sk,
+                 seqused_k=torch.full((1,), sk, dtype=torch.int32, device=dev),
+                 max_q=sq, max_k=sk, causal=True, scale=scale, window_left=None, out=out)
+    return out
 
 
 def mla_prefill_flash(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -126,6 +147,12 @@ def mla_prefill_flash(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         for qs in range(0, tq, chunk_tokens):
             qe = min(qs + chunk_tokens, tq)
             qb = qg[qs:qe]
+            if q.device.type == "cuda" and first + qe <= chunk_tokens:
+                # every key of the block at once: one call, no merge
+                k, v = expand(g.req, 0, first + qe)
+                o = _attend_causal(qb, k, v, scale=scale)
+                out[g.rows.start + qs: g.rows.start + qe] = o[..., :v_dim]
+                continue
             # the block's own keys, causal (a square block), then every key before it
             k, v = expand(g.req, first + qs, first + qe)
             acc, acc_lse = _attend(qb, k, v, causal=True, scale=scale)

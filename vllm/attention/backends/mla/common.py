@@ -100,6 +100,9 @@ class MLAMetadata(CommonAttentionMetadata, AttentionMetadata):
     """``decode_token_idx`` as one slice of ``q`` when the decode rows are contiguous
     (vLLM puts decode requests first): the forward then reads the query and writes the
     output in place instead of gathering and scattering them."""
+    prefill_rows: slice | None = None
+    """``prefill_token_idx`` as one slice of ``q`` when the prefill rows are contiguous
+    (after the decode rows, as vLLM orders a batch): read and written in place."""
 
     @property
     def num_decode_tokens(self) -> int:
@@ -139,6 +142,13 @@ def check_topk_indices(topk: object, num_tokens: int, device: torch.device) -> t
 
 
 MT = TypeVar("MT", bound=MLAMetadata)
+
+
+def _as_slice(rows: list[int]) -> slice | None:
+    """``rows`` (ascending) as one slice when they are contiguous, else None."""
+    if rows and rows[-1] - rows[0] + 1 == len(rows):
+        return slice(rows[0], rows[-1] + 1)
+    return None
 
 
 def split_batch(cls: type[MT], common: CommonAttentionMetadata, *, decode_threshold: int,
@@ -194,8 +204,7 @@ def split_batch(cls: type[MT], common: CommonAttentionMetadata, *, decode_thresh
         decode_block_table=common.block_table[dec_reqs_t],
         max_decode_seq_len=max((g.seq_len for g in dec_groups), default=0),
         uniform_single_token_decode=single, prefill_chunk_tokens=prefill_chunk_tokens,
-        decode_rows=(slice(dec_idx[0], dec_idx[-1] + 1)
-                     if dec_idx and dec_idx[-1] - dec_idx[0] + 1 == len(dec_idx) else None),
+        decode_rows=_as_slice(dec_idx), prefill_rows=_as_slice(pre_idx),
     )
 
 
@@ -397,7 +406,8 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
                     o_lat).to(output.dtype)
             paths.append(path)
         if meta.num_prefill_tokens:
-            q = query[meta.prefill_token_idx]
+            prows = meta.prefill_rows
+            q = query[meta.prefill_token_idx] if prows is None else query[prows]
             prefill = self.prefill_path(q.device, q.dtype)
             run = mla_prefill_torch
             if prefill == "flash-prefill":
@@ -407,7 +417,10 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
             o = run(q, kv_cache, meta.block_table, meta.prefill_groups, fmt,
                     spec.projection.w_uk, spec.projection.w_uv, scale=spec.scale,
                     chunk_tokens=meta.prefill_chunk_tokens)
-            out3[meta.prefill_token_idx] = o.to(output.dtype)
+            if prows is None:
+                out3[meta.prefill_token_idx] = o.to(output.dtype)
+            else:
+                out3[prows] = o
             paths.append(prefill)
         self.last_path = "+".join(paths) if paths else None
         return output
