@@ -108,6 +108,25 @@ def _spec(heads: int, cache_dtype: str, device: torch.device,
                                kv_cache_dtype=cache_dtype)  # type: ignore[arg-type]
 
 
+def mla_layer(backend: Any, spec: MLALayerSpec, batch: Any, cache_dtype: str,
+              device: torch.device) -> tuple[MLAAttention, torch.Tensor]:
+    """An ``MLAAttention`` of ``backend`` over a fresh cache for ``batch`` (page
+    :data:`PAGE`, bf16 model, fp8 caches at :data:`K_SCALE`), its context rows written
+    with random latents."""
+    layer = MLAAttention(spec=spec, backend=backend, layer_name="mla",
+                         k_scale=K_SCALE if cache_dtype != "auto" else None, checked=False)
+    cache = allocate_kv_cache(backend, num_blocks=batch.num_blocks, block_size=PAGE,
+                              num_kv_heads=1, head_size=L + R, cache_dtype=cache_dtype,
+                              model_dtype=torch.bfloat16, device=device)
+    layer.bind_kv_cache(cache, PAGE)
+    n_ctx = int(batch.context_slots.numel())
+    if n_ctx:
+        bf: dict[str, Any] = dict(dtype=torch.bfloat16, device=device)
+        layer.kv_cache_writer.write(torch.randn(n_ctx, L, **bf), torch.randn(n_ctx, R, **bf),
+                                    cache, batch.context_slots, layer.kv_quant)
+    return layer, cache
+
+
 class Step:
     """One decode step of one layer: the batch, its cache (context written) and inputs."""
 
@@ -118,19 +137,9 @@ class Step:
         self.spec = _spec(heads, cache_dtype, device, g)
         self.batch = make_paged_batch([1] * batch, [context - 1] * batch, block_size=PAGE,
                                       device=device, generator=g)
-        self.layer = MLAAttention(spec=self.spec, backend=self.backend, layer_name="mla",
-                                  k_scale=K_SCALE if cache_dtype != "auto" else None,
-                                  checked=False)
-        self.cache = allocate_kv_cache(self.backend, num_blocks=self.batch.num_blocks,
-                                       block_size=PAGE, num_kv_heads=1, head_size=L + R,
-                                       cache_dtype=cache_dtype, model_dtype=torch.bfloat16,
-                                       device=device)
-        self.layer.bind_kv_cache(self.cache, PAGE)
-        n_ctx = int(self.batch.context_slots.numel())
+        self.layer, self.cache = mla_layer(self.backend, self.spec, self.batch, cache_dtype,
+                                           device)
         bf: dict[str, Any] = dict(dtype=torch.bfloat16, device=device)
-        self.layer.kv_cache_writer.write(torch.randn(n_ctx, L, **bf), torch.randn(n_ctx, R, **bf),
-                                         self.cache, self.batch.context_slots,
-                                         self.layer.kv_quant)
         self.meta = self.backend.get_builder_cls()(self.spec, device).build(self.batch.common)
         self.q = torch.randn(batch, heads, P + R, **bf)
         self.kv_c = torch.randn(batch, L, **bf)

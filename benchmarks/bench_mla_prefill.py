@@ -36,11 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import device_info, event_us, print_table, report_text, write_report  # noqa: E402
-from bench_mla_decode import K_SCALE, PAGE, L, P, R, V, _spec  # noqa: E402
+from bench_mla_decode import PAGE, L, P, R, V, _spec, mla_layer  # noqa: E402
 
-from vllm.attention import allocate_kv_cache  # noqa: E402
 from vllm.attention.batch import make_paged_batch  # noqa: E402
-from vllm.attention.layer import MLAAttention  # noqa: E402
 from vllm.attention.ops.mla_attention import decode_latent_rows, gather_latent  # noqa: E402
 from vllm.attention.registry import get_backend  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
@@ -63,20 +61,9 @@ class Prefill:
         self.spec = _spec(heads, cache_dtype, device, g)
         self.batch = make_paged_batch([new] * batch, [context] * batch, block_size=PAGE,
                                       device=device, generator=g)
-        self.layer = MLAAttention(spec=self.spec, backend=self.backend, layer_name="mla",
-                                  k_scale=K_SCALE if cache_dtype != "auto" else None,
-                                  checked=False)
-        self.cache = allocate_kv_cache(self.backend, num_blocks=self.batch.num_blocks,
-                                       block_size=PAGE, num_kv_heads=1, head_size=L + R,
-                                       cache_dtype=cache_dtype, model_dtype=torch.bfloat16,
-                                       device=device)
-        self.layer.bind_kv_cache(self.cache, PAGE)
+        self.layer, self.cache = mla_layer(self.backend, self.spec, self.batch, cache_dtype,
+                                           device)
         bf: dict[str, Any] = dict(dtype=torch.bfloat16, device=device)
-        n_ctx = int(self.batch.context_slots.numel())
-        if n_ctx:
-            self.layer.kv_cache_writer.write(torch.randn(n_ctx, L, **bf),
-                                             torch.randn(n_ctx, R, **bf), self.cache,
-                                             self.batch.context_slots, self.layer.kv_quant)
         self.meta = self.backend.get_builder_cls()(self.spec, device).build(self.batch.common)
         t = batch * new
         self.q = torch.randn(t, heads, P + R, **bf)
