@@ -37,17 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import device_info, event_us, print_table, report_text, write_report  # noqa: E402
 from bench_mla_decode import PAGE, L, P, R, V, _spec, mla_layer  # noqa: E402
+from bench_prefill import prefill_flops, relative_error  # noqa: E402
 
 from vllm.attention.batch import make_paged_batch  # noqa: E402
 from vllm.attention.ops.mla_attention import decode_latent_rows, gather_latent  # noqa: E402
 from vllm.attention.registry import get_backend  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
-
-
-def attention_flops(heads: int, new: int, context: int, batch: int) -> float:
-    """Causal attention of ``new`` queries over ``context + new`` keys, per batch."""
-    pairs = new * context + new * (new + 1) / 2
-    return 2.0 * pairs * heads * (P + R + V) * batch
 
 
 class Prefill:
@@ -79,7 +74,7 @@ class Prefill:
 
     def baseline(self) -> Any:
         """Upstream's arithmetic on torch's kernels (the latent gathered beforehand)."""
-        from vllm.attention.ops.flash_varlen import _aten_kernel
+        from vllm.attention.ops.flash_varlen import aten_varlen_kernel
 
         batch, new, context = self.sizes
         n, s = self.spec.num_heads, new + context
@@ -102,7 +97,7 @@ class Prefill:
             k[..., :P] = (rows[:, :L] @ wk).view(batch * s, n, P)
             k[..., P:] = rows[:, L:].unsqueeze(1)
             v[..., :V] = (rows[:, :L] @ wv).view(batch * s, n, V)
-            _aten_kernel(self.q, k, v, cu_q=cu_q, cu_k=cu_k, seqused_k=used, max_q=new,
+            aten_varlen_kernel(self.q, k, v, cu_q=cu_q, cu_k=cu_k, seqused_k=used, max_q=new,
                          max_k=s, causal=True, scale=self.spec.scale, window_left=None,
                          out=out)
         return run, out
@@ -128,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     for cache_dtype in args.cache_dtypes:
         for name, batch, new, context in shapes:
             step = Prefill(args.backend, args.heads, cache_dtype, batch, new, context, device)
-            flops = attention_flops(args.heads, new, context, batch)
+            # (bench_prefill's causal area, its D the mean of the score and value widths)
+            flops = prefill_flops([context] * batch, [new] * batch, args.heads,
+                                  (P + R + V) // 2)
             impl: Any = step.layer.impl
             times: dict[str, float] = {}
             outs: dict[str, torch.Tensor] = {}
@@ -143,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                              "path": path, "us": times[label],
                              "tflops": flops / (times[label] * 1e-6) / 1e12})
             impl.force_path = None
-            err = float((outs["layer"].double() - outs["layer, torch path"].double()).norm()
-                        / outs["layer, torch path"].double().norm())
+            err = relative_error(outs["layer"], outs["layer, torch path"])
             tol = step.backend.tolerances[torch.bfloat16]
             failed |= not err < tol
             rows[-2]["rel_err"] = err

@@ -27,6 +27,9 @@ KVCacheDType = Literal[
 
 KV_CACHE_DTYPES: Final[tuple[KVCacheDType, ...]] = get_args(KVCacheDType)
 
+HALF_DTYPES: Final[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+"""The 16-bit float dtypes: what the tensor-core and flash kernels take as operands."""
+
 
 UNQUANTISED_SPELLINGS: Final[dict[str, torch.dtype]] = {
     "bfloat16": torch.bfloat16,

@@ -28,6 +28,7 @@ import torch
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.paged_args import PagedBatchLike, check_paged_args
 from vllm.attention.ops.paged_kv import Dequant, PagedKV, PagedOperand
+from vllm.attention.types import HALF_DTYPES
 from vllm.attention.writers.kernels.device import nvidia_capability
 
 _OP = "_flash_attention_forward"
@@ -96,7 +97,7 @@ def flash_varlen_rejects(
     tree_mask: torch.Tensor | None,
 ) -> str | None:
     """Why the flash varlen path does not take this call (None when it does)."""
-    if query.dtype not in (torch.float16, torch.bfloat16):
+    if query.dtype not in HALF_DTYPES:
         return f"dtype={query.dtype}, takes float16/bfloat16"
     if kv.dequant is not Dequant.NONE:
         return f"kv_cache_dtype={kv.cache_dtype!r}, takes auto (fp8 runs the paged kernel)"
@@ -215,10 +216,10 @@ def gather_blocks(kv: PagedKV, batch: PagedBatchLike
     return _rows(kv.key, ids), _rows(kv.value, ids), (first * bs).to(torch.int32)
 
 
-def _aten_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_q: torch.Tensor,
-                 cu_k: torch.Tensor, seqused_k: torch.Tensor, max_q: int, max_k: int,
-                 causal: bool, scale: float, window_left: int | None,
-                 out: torch.Tensor) -> None:
+def aten_varlen_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                       cu_q: torch.Tensor, cu_k: torch.Tensor, seqused_k: torch.Tensor,
+                       max_q: int, max_k: int, causal: bool, scale: float,
+                       window_left: int | None, out: torch.Tensor) -> None:
     """:class:`FlashVarlenKernel` through ``aten._flash_attention_forward`` (its
     out-variant where this torch has it)."""
     kwargs: dict[str, Any] = {"scale": scale, "seqused_k": seqused_k}
@@ -263,7 +264,7 @@ def paged_attention_flash_varlen(
         if reason is not None:
             raise InvalidArgumentError("kv_cache.device", str(kv.device),
                                        f"a device torch's flash kernel runs on: {reason}")
-        run = _aten_kernel
+        run = aten_varlen_kernel
     else:
         run = kernel
     why = flash_varlen_rejects(query, kv, causal=causal, sliding_window=sliding_window,

@@ -26,6 +26,7 @@ import torch
 
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.triton_loader import interpreting
+from vllm.attention.types import HALF_DTYPES
 from vllm.attention.writers.kernels.device import next_pow2, nvidia_capability
 
 HeadMatmulPath = Literal["triton", "bmm"]
@@ -38,7 +39,6 @@ TRITON_MIN_HEADS = 128
 """Heads from which :func:`head_matmul_path` picks the Triton kernel (at 64 heads the
 projection was slower than cuBLAS with every tile tried, the absorption no faster)."""
 
-_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ def unsupported_reasons(a: torch.Tensor, w: torch.Tensor) -> list[str]:
         if cap is None or cap < (9, 0):
             reasons.append(f"GPU capability {cap} (or not NVIDIA): the kernel is measured "
                            "against cuBLAS on NVIDIA sm_90+ only")
-    if a.dtype not in _HALF or w.dtype != a.dtype:
+    if a.dtype not in HALF_DTYPES or w.dtype != a.dtype:
         reasons.append(f"dtypes {a.dtype} x {w.dtype}: the kernel takes float16 or "
                        "bfloat16, the same for both")
     if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):

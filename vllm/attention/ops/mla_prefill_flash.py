@@ -30,7 +30,7 @@ import torch
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.flash_varlen import (
     MAX_HEAD_SIZE,
-    _aten_kernel,
+    aten_varlen_kernel,
     flash_varlen_unavailable,
 )
 from vllm.attention.ops.mla_attention import (
@@ -40,8 +40,8 @@ from vllm.attention.ops.mla_attention import (
     gather_latent,
     merge_attn_states,
 )
+from vllm.attention.types import HALF_DTYPES
 
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def mla_prefill_flash_rejects(device: torch.device, dtype: torch.dtype, *, qk_head_dim: int,
@@ -51,7 +51,7 @@ def mla_prefill_flash_rejects(device: torch.device, dtype: torch.dtype, *, qk_he
     why = flash_varlen_unavailable(device)
     if why is not None:
         reasons.append(why)
-    if dtype not in _HALF:
+    if dtype not in HALF_DTYPES:
         reasons.append(f"model dtype {dtype}: the flash kernel takes float16 or bfloat16")
     width = max(qk_head_dim, v_head_dim)
     if width > MAX_HEAD_SIZE or width % 8:
@@ -86,7 +86,7 @@ def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     dev = q.device
     two = torch.arange(2, dtype=torch.int32, device=dev)
     out = torch.empty_like(q)
-    _aten_kernel(q, k, v, cu_q=two * sq, cu_k=two * sk,
+    aten_varlen_kernel(q, k, v, cu_q=two * sq, cu_k=two * sk,
                  seqused_k=torch.full((1,), sk, dtype=torch.int32, device=dev),
                  max_q=sq, max_k=sk, causal=True, scale=scale, window_left=None, out=out)
     return out
@@ -107,7 +107,7 @@ def mla_prefill_flash(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     """
     if chunk_tokens <= 0:
         raise InvalidArgumentError("chunk_tokens", chunk_tokens, "a positive int")
-    if q.dtype not in _HALF:
+    if q.dtype not in HALF_DTYPES:
         raise InvalidArgumentError("q.dtype", q.dtype, "float16 or bfloat16")
     tp, n, qk = q.shape
     l_rank = fmt.kv_lora_rank

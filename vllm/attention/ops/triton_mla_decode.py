@@ -24,6 +24,7 @@ import torch
 from vllm.attention.errors import InvalidArgumentError
 from vllm.attention.ops.mla_attention import LatentFormat
 from vllm.attention.ops.triton_loader import interpreting
+from vllm.attention.types import HALF_DTYPES
 from vllm.attention.writers.kernels.device import GPU, gpu_of, multiprocessors, next_pow2
 
 MAX_SPLITS = 64
@@ -32,7 +33,6 @@ _MAX_BOX = 256
 """The widest latent chunk of a two-chunk launch (``latent_chunks=2``); a latent at most
 this wide is one chunk."""
 _FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def unsupported_reasons(fmt: LatentFormat, q_dtype: torch.dtype) -> list[str]:
     if fmt.cache_dtype == "fp8_ds_mla":
         reasons.append("kv_cache_dtype='fp8_ds_mla' (128-value tile scales): the per-row "
                        "kernel runs it")
-    if q_dtype not in (*_HALF, torch.float32):
+    if q_dtype not in (*HALF_DTYPES, torch.float32):
         reasons.append(f"query dtype {q_dtype}, the kernel takes float16, bfloat16, float32")
     if fmt.kv_lora_rank > 2 * _MAX_BOX:
         reasons.append(f"kv_lora_rank={fmt.kv_lora_rank}, the kernel takes at most "
@@ -139,7 +139,7 @@ def default_config(q_dtype: torch.dtype, gpu: GPU | None, *, num_heads: int = 12
     None under the interpreter; ``num_heads``: the layer's query heads; ``fp8``: a
     scaled fp8 cache.
     """
-    if gpu is None or gpu.vendor != "nvidia" or q_dtype not in _HALF:
+    if gpu is None or gpu.vendor != "nvidia" or q_dtype not in HALF_DTYPES:
         # the interpreter's cost is per element; float32 models (IEEE dots) are a
         # correctness path; an MI300's 64 KiB of shared memory per CU holds no 64-head
         # tile: the smallest tiles tl.dot takes
@@ -215,7 +215,7 @@ def choose_splits(*, num_tokens: int, programs_per_split: int, num_heads: int,
 def _dot_fp32(q_dtype: torch.dtype, interp: bool) -> bool:
     # numpy has no bfloat16: the interpreter's bfloat16 dots are wrong, its float16
     # ones right
-    return q_dtype not in _HALF or (interp and q_dtype == torch.bfloat16)
+    return q_dtype not in HALF_DTYPES or (interp and q_dtype == torch.bfloat16)
 
 
 _interpreting = interpreting
@@ -298,7 +298,7 @@ def gluon_unsupported_reasons(q_dtype: torch.dtype, kv_cache: torch.Tensor, kv_l
     if _nvidia(gpu) != (9, 0):
         reasons.append(f"device {gpu}: the Gluon kernel is written for NVIDIA sm_90 "
                        "(warpgroup MMAs, TMA) and measured there")
-    if q_dtype not in _HALF or kv_cache.dtype not in (q_dtype, *_FP8_CODES):
+    if q_dtype not in HALF_DTYPES or kv_cache.dtype not in (q_dtype, *_FP8_CODES):
         reasons.append(f"query {q_dtype} and cache {kv_cache.dtype}: the Gluon kernel takes "
                        "a float16 or bfloat16 query and a cache in its dtype or in "
                        "float8_e4m3fn / float8_e5m2")

@@ -49,7 +49,7 @@ from vllm.attention.ops.mla_attention import (
     mla_prefill_torch,
     mla_sparse_torch,
 )
-from vllm.attention.types import KVCacheDType, KVCacheLayout
+from vllm.attention.types import KVCacheDType, KVCacheLayout, kv_cache_format
 
 if TYPE_CHECKING:
     from vllm.attention.ops.mla_vendor import MLAVendorKernel
@@ -337,7 +337,7 @@ class MLACommonImpl(AttentionImpl[MM], Generic[MM]):
         ``tolerance`` for the model dtype: with an E4M3 cache and :meth:`uses_fp8_mma`,
         at least ``triton_mla_decode.FP8_MMA_TOLERANCE`` (the query and the
         probabilities rounded to E4M3), else ``tolerance``."""
-        if self.mla.kv_cache_dtype in ("fp8", "fp8_e4m3") and self.uses_fp8_mma():
+        if kv_cache_format(self.mla.kv_cache_dtype) == "fp8_e4m3" and self.uses_fp8_mma():
             from vllm.attention.ops.triton_mla_decode import FP8_MMA_TOLERANCE
 
             return max(tolerance, FP8_MMA_TOLERANCE)
@@ -584,7 +584,10 @@ class MLABackend(AttentionBackend[MM]):
         elif device.type != "cuda":
             notes.append(f"triton: device={device.type}, the Triton MLA kernels need cuda")
         if cls.get_impl_cls().fp8_mma_default:
-            notes.append("an E4M3 cache past 32 heads: fp8 tensor cores on sm_90, the query "
-                         "and the probabilities rounded to E4M3 as upstream's FLASHMLA "
-                         "does (VLLM_MLA_FP8_MMA=0: exact dots; docs/mla.md)")
+            from vllm.attention.ops.triton_mla_decode import FEW_HEADS_MAX
+
+            notes.append(f"an E4M3 cache past {FEW_HEADS_MAX} heads: fp8 tensor cores on "
+                         "sm_90, the query and the probabilities rounded to E4M3 as "
+                         "upstream's FLASHMLA does (VLLM_MLA_FP8_MMA=0: exact dots; "
+                         "docs/mla.md)")
         return notes
